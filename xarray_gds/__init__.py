@@ -1,0 +1,25 @@
+"""xarray-gds: open Zarr stores with xarray straight into GPU memory.
+
+``xr.open_dataset(path, engine="gds-zarr")`` reads chunk bytes with kvikio into
+device memory and hands numeric variables to xarray as CuPy arrays. Importing this
+package loads no CUDA library; see :mod:`xarray_gds.device`.
+"""
+
+from __future__ import annotations
+
+from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
+from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
+from xarray_gds.store import GdsStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GdsStore",
+    "GdsZarrBackendEntrypoint",
+    "NoCudaDeviceError",
+    "__version__",
+    "cuda_status",
+    "open_store",
+    "placement",
+    "resolve_device",
+]

@@ -1,0 +1,141 @@
+"""Device choice and the one place where CUDA libraries are imported.
+
+Nothing here imports CuPy, kvikio or nvCOMP at module import time: ``import
+xarray_gds`` works on a machine without CUDA. The GPU libraries load on first use,
+and a missing one raises :class:`ImportError` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+
+Device = Literal["cuda", "cpu"]
+
+_INSTALL_HINT = (
+    "install the CUDA extra matching your driver, e.g. "
+    "`pip install 'xarray-gds[cuda13]'` (CUDA 13) or `pip install 'xarray-gds[cuda12]'` "
+    "(CUDA 12)"
+)
+
+
+class NoCudaDeviceError(RuntimeError):
+    """Raised when ``device="cuda"`` is asked for but no usable GPU is present."""
+
+
+def _import(name: str, purpose: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(
+            f"xarray-gds needs the `{name}` package {purpose}, but it could not be "
+            f"imported ({err}); {_INSTALL_HINT}."
+        ) from err
+
+
+def cupy() -> ModuleType:
+    """Return the ``cupy`` module, importing it on first use."""
+    return _import("cupy", "to hold arrays in GPU memory")
+
+
+def kvikio() -> ModuleType:
+    """Return the ``kvikio`` module, importing it on first use."""
+    return _import("kvikio", "to read files into GPU memory")
+
+
+@functools.cache
+def cuda_status() -> tuple[bool, str]:
+    """Whether a CUDA device can be used, and if not, why not.
+
+    Returns
+    -------
+    (available, reason)
+        ``reason`` is empty when a device is available.
+    """
+    if os.environ.get("XARRAY_GDS_DISABLE_CUDA", "") not in ("", "0"):
+        return False, "XARRAY_GDS_DISABLE_CUDA is set"
+    try:
+        cp = importlib.import_module("cupy")
+    except ImportError as err:
+        return False, f"CuPy is not installed ({err}); {_INSTALL_HINT}"
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError: no driver, no device
+        return False, f"CuPy found no usable CUDA driver or device ({err})"
+    if count < 1:
+        return False, "CuPy reports zero CUDA devices"
+    try:
+        importlib.import_module("kvikio")
+    except ImportError as err:
+        return False, f"kvikio is not installed ({err}); {_INSTALL_HINT}"
+    return True, ""
+
+
+_warned_fallback = False
+
+
+def resolve_device(device: str | None) -> Device:
+    """Turn the user's ``device`` argument into ``"cuda"`` or ``"cpu"``.
+
+    Parameters
+    ----------
+    device : {"cuda", "cpu", None}
+        ``None`` picks ``"cuda"`` when a GPU, CuPy and kvikio are usable, and
+        otherwise falls back to the host with a single warning per process.
+
+    Raises
+    ------
+    NoCudaDeviceError
+        ``device="cuda"`` was asked for but no GPU can be used; the message says why.
+    ValueError
+        ``device`` is not one of the accepted values.
+    """
+    global _warned_fallback
+    if device is not None and not isinstance(device, str):
+        raise TypeError(f"device must be 'cuda', 'cpu' or None, not {type(device).__name__}")
+    if device in ("cpu", "host"):
+        return "cpu"
+    if device not in (None, "cuda", "gpu"):
+        raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+    ok, reason = cuda_status()
+    if ok:
+        return "cuda"
+    if device is None:
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn(
+                f"xarray-gds: no CUDA device is usable ({reason}); reading on the host "
+                "with numpy instead. Pass device='cpu' to silence this warning.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return "cpu"
+    raise NoCudaDeviceError(f"device='cuda' was requested but {reason}.")
+
+
+def array_module(device: Device) -> ModuleType:
+    """The array module (``numpy`` or ``cupy``) that holds data on ``device``."""
+    return cupy() if device == "cuda" else np
+
+
+def buffer_prototype(device: Device) -> Any:
+    """zarr's buffer prototype whose buffers live on ``device``."""
+    if device == "cuda":
+        cupy()  # a clear ImportError first, rather than zarr's
+        from zarr.core.buffer import gpu
+
+        return gpu.buffer_prototype
+    from zarr.core.buffer import cpu
+
+    return cpu.buffer_prototype
+
+
+def is_device_array(x: Any) -> bool:
+    """True for arrays in GPU memory (anything with ``__cuda_array_interface__``)."""
+    return hasattr(x, "__cuda_array_interface__")

@@ -1,0 +1,184 @@
+"""A local-directory zarr Store that reads chunk bytes straight into GPU memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import Buffer, cpu
+from zarr.storage import LocalStore
+
+from xarray_gds import device as _device
+
+if TYPE_CHECKING:
+    from zarr.core.buffer import BufferPrototype
+
+__all__ = ["GdsStore", "is_metadata_key"]
+
+_METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
+
+
+def is_metadata_key(key: str) -> bool:
+    """True for keys that hold Zarr metadata (always returned in host memory)."""
+    return key.rsplit("/", 1)[-1] in _METADATA_NAMES
+
+
+def _is_gpu_prototype(prototype: BufferPrototype) -> bool:
+    return not issubclass(prototype.buffer, cpu.Buffer)
+
+
+def _byte_span(size: int, byte_range: ByteRequest | None) -> tuple[int, int]:
+    """(offset, nbytes) of ``byte_range`` in an object of ``size`` bytes, as LocalStore."""
+    if byte_range is None:
+        return 0, size
+    if isinstance(byte_range, RangeByteRequest):
+        start = min(byte_range.start, size)
+        return start, max(0, min(byte_range.end, size) - start)
+    if isinstance(byte_range, OffsetByteRequest):
+        start = min(byte_range.offset, size)
+        return start, size - start
+    if isinstance(byte_range, SuffixByteRequest):
+        start = max(0, size - byte_range.suffix)
+        return start, size - start
+    raise TypeError(f"Unexpected byte_range, got {byte_range!r}.")
+
+
+def _read_host(path: Path, byte_range: ByteRequest | None) -> bytes:
+    with path.open("rb") as f:
+        offset, nbytes = _byte_span(os.fstat(f.fileno()).st_size, byte_range)
+        f.seek(offset)
+        return f.read(nbytes)
+
+
+def _read_device(path: Path, byte_range: ByteRequest | None) -> Any:
+    """Read a byte span of ``path`` into a new CuPy uint8 array with kvikio."""
+    cp = _device.cupy()
+    kvikio = _device.kvikio()
+    offset, nbytes = _byte_span(path.stat().st_size, byte_range)
+    out = cp.empty(nbytes, dtype=cp.uint8)
+    if nbytes:
+        with kvikio.CuFile(path, "r") as f:
+            got = f.pread(out, nbytes, offset).get()
+        if got != nbytes:
+            raise OSError(
+                f"short read from {path}: got {got} of {nbytes} bytes at offset {offset}; "
+                "the file changed or is truncated"
+            )
+    return out
+
+
+class GdsStore(LocalStore):
+    """A :class:`zarr.storage.LocalStore` whose chunk reads land in GPU memory.
+
+    When zarr asks for a key with a GPU buffer prototype (as xarray-gds does for
+    arrays placed on the device), the bytes are read by kvikio straight into device
+    memory: GPUDirect Storage where the driver is present, kvikio's compat mode (a
+    pinned bounce buffer) otherwise. Metadata keys and reads with a host prototype
+    go through ordinary file reads. Everything else (listing, writing, deleting)
+    is :class:`~zarr.storage.LocalStore`'s.
+
+    Keys that would resolve outside ``root`` (absolute paths, ``..`` segments) are
+    rejected with :class:`ValueError`.
+
+    Parameters
+    ----------
+    root : str or Path
+        Directory of the store.
+    read_only : bool
+        Refuse writes.
+    """
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if key.startswith("/") or "\\" in key or any(p in ("..", ".") for p in parts):
+            raise ValueError(
+                f"invalid key {key!r} for store at {self.root}: keys must be relative and "
+                "may not contain '.' or '..' segments or backslashes"
+            )
+        return self.root / key
+
+    def _read(
+        self, key: str, prototype: BufferPrototype | None, byte_range: ByteRequest | None
+    ) -> Buffer | None:
+        if prototype is None:
+            prototype = cpu.buffer_prototype
+        path = self._path(key)
+        try:
+            if _is_gpu_prototype(prototype) and not is_metadata_key(key):
+                return prototype.buffer.from_array_like(_read_device(path, byte_range))
+            data = _read_host(path, byte_range)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        if is_metadata_key(key):
+            return cpu.Buffer.from_bytes(data)
+        return prototype.buffer.from_bytes(data)
+
+    def get_sync(
+        self,
+        key: str,
+        *,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
+        self._ensure_open_sync()
+        return self._read(key, prototype, byte_range)
+
+    async def get(
+        self,
+        key: str,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
+        await self._ensure_open()
+        return await asyncio.to_thread(self._read, key, prototype, byte_range)
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        await self._ensure_open()
+        return list(
+            await asyncio.gather(
+                *(asyncio.to_thread(self._read, k, prototype, r) for k, r in key_ranges)
+            )
+        )
+
+    # Key validation for the inherited write/list paths.
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._path(key)
+        super().set_sync(key, value)
+
+    def delete_sync(self, key: str) -> None:
+        self._path(key)
+        super().delete_sync(key)
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self._path(key)
+        await super().set(key, value)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        self._path(key)
+        await super().set_if_not_exists(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._path(key)
+        await super().delete(key)
+
+    async def exists(self, key: str) -> bool:
+        self._path(key)
+        return await super().exists(key)
+
+    async def getsize(self, key: str) -> int:
+        self._path(key)
+        return await super().getsize(key)
+
+    def __repr__(self) -> str:
+        return f"GdsStore('{self}')"
+
+    def __str__(self) -> str:
+        return f"file://{self.root.as_posix()}"
