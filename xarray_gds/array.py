@@ -77,7 +77,10 @@ class GdsBackendArray(BackendArray):
         )
 
     def _vindex(self, key: tuple[Any, ...]) -> Any:
-        return self._finish(self._array.vindex.get(key, prototype=self._prototype()))
+        coords = _coordinates(key, self.shape)
+        return self._finish(
+            self._array.get_coordinate_selection(coords, prototype=self._prototype())
+        )
 
     def _prototype(self) -> Any:
         # zarr keeps non-native byte orders as such; CuPy cannot hold them, so
@@ -96,6 +99,29 @@ class GdsBackendArray(BackendArray):
         if self._cf is not None:
             values = self._cf.apply(values, xp)
         return values
+
+
+def _coordinates(key: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """A vectorized key as broadcastable integer arrays (zarr's coordinate selection).
+
+    xarray's vectorized keys mix integer arrays (broadcast against each other) and
+    slices; the result has the arrays' broadcast dimensions first, then one
+    dimension per slice, in order. Slices become ``arange`` arrays shaped to match.
+    """
+    arrays = [k for k in key if not isinstance(k, slice)]
+    n_array_dims = max((np.ndim(a) for a in arrays), default=0)
+    n_slices = len(key) - len(arrays)
+    out: list[np.ndarray] = []
+    i_slice = 0
+    for k, size in zip(key, shape, strict=True):
+        if isinstance(k, slice):
+            where = (1,) * (n_array_dims + i_slice) + (-1,) + (1,) * (n_slices - i_slice - 1)
+            out.append(np.arange(*k.indices(size)).reshape(where))
+            i_slice += 1
+        else:
+            k = np.asarray(k)
+            out.append(k.reshape(k.shape + (1,) * n_slices))
+    return tuple(out)
 
 
 class HostDecodedArray(BackendArray):

@@ -136,6 +136,8 @@ def _dataset_from_store(
 ) -> xr.Dataset:
     raw_vars, attrs = zstore.load()
     encoding = zstore.get_encoding()
+    # xarray's decoders may pop CF attributes from the variables they are given
+    raw_attrs = {name: dict(var.attrs) for name, var in raw_vars.items()}
     decoded, attrs, coord_names = conventions.decode_cf_variables(
         raw_vars,
         attrs,
@@ -155,7 +157,7 @@ def _dataset_from_store(
             zarr_array = members[name]
             plan = plan_cf_decoding(
                 name,
-                raw_vars[name].attrs,
+                raw_attrs[name],
                 np.dtype(zarr_array.dtype).newbyteorder("="),
                 var.dtype,
                 var.encoding,
