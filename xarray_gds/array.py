@@ -27,8 +27,8 @@ class GdsBackendArray(BackendArray):
         The array to read.
     name : str
         Variable name, used in error messages.
-    device : {"cuda", "cpu"}
-        Where the values are returned.
+    device : str
+        Where the values are returned: ``"cuda"`` or ``"cpu"``.
     cf : CFPlan, optional
         CF decoding applied after the read.
     """

@@ -240,17 +240,29 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         ----------
         filename_or_obj : str, os.PathLike or zarr.abc.store.Store
             A local Zarr directory, or any zarr Store.
-        mask_and_scale, decode_times, concat_characters, decode_coords, \
-use_cftime, decode_timedelta, drop_variables
+        mask_and_scale : bool or mapping of name to bool
+            As for :func:`xarray.open_dataset`.
+        decode_times : bool, CFDatetimeCoder or mapping
+            As for :func:`xarray.open_dataset`.
+        concat_characters : bool or mapping
+            As for :func:`xarray.open_dataset`.
+        decode_coords : bool or {"coordinates", "all"}
+            As for :func:`xarray.open_dataset`.
+        drop_variables : str or iterable of str, optional
+            Variables to leave out.
+        use_cftime : bool, optional
+            As for :func:`xarray.open_dataset` (deprecated there in favour of
+            ``decode_times=xr.coders.CFDatetimeCoder(use_cftime=...)``).
+        decode_timedelta : bool, CFTimedeltaCoder or mapping, optional
             As for :func:`xarray.open_dataset`.
         group : str, optional
             Path of the group to open.
         consolidated : bool or None
             Use consolidated metadata: ``None`` tries it and falls back, ``True``
             requires it, ``False`` ignores it (as ``engine="zarr"``).
-        zarr_format : {2, 3, None}
+        zarr_format : {None, 2, 3}
             Zarr format to read; ``None`` detects it.
-        device : {"cuda", "cpu", None}
+        device : {None, "cuda", "cpu"}
             Where numeric variables are placed. ``None`` uses the GPU when one is
             usable and otherwise warns once and reads on the host.
         """

@@ -72,7 +72,8 @@ class CFPlan:
             condition = xp.zeros(data.shape, dtype=bool)
             for fv in self.fill_values:
                 condition |= _binary(xp, xp.equal, data, fv)
-            data[condition] = np.nan
+            # xarray's decoded fill: NaN, or NaN+NaNj for complex data
+            data[condition] = complex(np.nan, np.nan) if self.dtype.kind == "c" else np.nan
         if self.scale_factor is not None or self.add_offset is not None:
             data = data.astype(self.dtype, copy=True)
             if self.scale_factor is not None:
@@ -130,8 +131,10 @@ def plan_cf_decoding(
         Attributes of the variable as stored (before CF decoding).
     raw_dtype : numpy.dtype
         dtype as zarr returns it, in native byte order.
-    decoded_dtype, decoded_encoding
-        ``dtype`` and ``encoding`` of the variable xarray decoded lazily.
+    decoded_dtype : numpy.dtype
+        ``dtype`` of the variable xarray decoded lazily.
+    decoded_encoding : mapping
+        ``encoding`` of the variable xarray decoded lazily.
     mask_and_scale : bool or mapping
         The ``mask_and_scale`` argument given to ``open_dataset``.
 

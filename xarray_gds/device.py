@@ -85,7 +85,7 @@ def resolve_device(device: str | None) -> Device:
 
     Parameters
     ----------
-    device : {"cuda", "cpu", None}
+    device : {None, "cuda", "cpu"}
         ``None`` picks ``"cuda"`` when a GPU, CuPy and kvikio are usable, and
         otherwise falls back to the host with a single warning per process.
 

@@ -1,0 +1,145 @@
+"""GdsStore: zarr's store conformance suite (host and GPU buffers), key safety, device reads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import Buffer, cpu
+from zarr.testing.store import StoreTests
+
+from xarray_gds import GdsStore
+from xarray_gds.store import is_metadata_key
+
+
+class TestGdsStoreHost(StoreTests[GdsStore, cpu.Buffer]):
+    """zarr's own conformance tests, with host buffers."""
+
+    store_cls = GdsStore
+    buffer_cls = cpu.Buffer
+
+    async def get(self, store: GdsStore, key: str) -> Buffer:
+        return self.buffer_cls.from_bytes((store.root / key).read_bytes())
+
+    async def set(self, store: GdsStore, key: str, value: Buffer) -> None:
+        path = store.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value.to_bytes())
+
+    @pytest.fixture
+    def store_kwargs(self, tmp_path: Path) -> dict[str, Any]:
+        return {"root": str(tmp_path)}
+
+    def test_store_repr(self, store: GdsStore) -> None:
+        assert repr(store) == f"GdsStore('file://{store.root.as_posix()}')"
+
+    def test_store_supports_writes(self, store: GdsStore) -> None:
+        assert store.supports_writes
+
+    def test_store_supports_listing(self, store: GdsStore) -> None:
+        assert store.supports_listing
+
+
+@pytest.mark.gpu
+class TestGdsStoreDevice(TestGdsStoreHost):
+    """The same suite with zarr in GPU mode: data keys come back as device buffers."""
+
+    @pytest.fixture(autouse=True)
+    def _gpu_mode(self) -> Iterator[None]:
+        from zarr.core.buffer import gpu
+
+        type(self).buffer_cls = gpu.Buffer  # type: ignore[assignment]
+        with zarr.config.enable_gpu():
+            yield
+        type(self).buffer_cls = cpu.Buffer
+
+
+@pytest.mark.parametrize(
+    "key", ["../escape", "a/../../b", "/etc/passwd", "a/./b", "a\\..\\b", "..", "."]
+)
+async def test_keys_may_not_escape_the_root(tmp_path: Path, key: str) -> None:
+    store = await GdsStore.open(tmp_path / "root")
+    with pytest.raises(ValueError, match="invalid key"):
+        await store.get(key, prototype=cpu.buffer_prototype)
+    with pytest.raises(ValueError, match="invalid key"):
+        await store.set(key, cpu.Buffer.from_bytes(b"x"))
+    with pytest.raises(ValueError, match="invalid key"):
+        await store.exists(key)
+    with pytest.raises(ValueError, match="invalid key"):
+        store.get_sync(key)
+    assert not (tmp_path / "escape").exists()
+
+
+def test_metadata_keys() -> None:
+    for key in ("zarr.json", "a/zarr.json", ".zarray", "g/.zattrs", ".zgroup", ".zmetadata"):
+        assert is_metadata_key(key)
+    for key in ("a/c/0/0", "a/0.0", "zarr.json.tmp", "c/zarr"):
+        assert not is_metadata_key(key)
+
+
+def _payload(tmp_path: Path) -> tuple[GdsStore, bytes]:
+    data = np.arange(1000, dtype="u1").tobytes()
+    (tmp_path / "arr" / "c").mkdir(parents=True)
+    (tmp_path / "arr" / "c" / "0").write_bytes(data)
+    (tmp_path / "zarr.json").write_bytes(b'{"zarr_format": 3, "node_type": "group"}')
+    return GdsStore(tmp_path, read_only=True), data
+
+
+BYTE_RANGES = [
+    (None, slice(None)),
+    (RangeByteRequest(10, 50), slice(10, 50)),
+    (RangeByteRequest(990, 2000), slice(990, 1000)),
+    (OffsetByteRequest(900), slice(900, None)),
+    (SuffixByteRequest(24), slice(-24, None)),
+    (SuffixByteRequest(5000), slice(None)),
+]
+
+
+@pytest.mark.parametrize(("byte_range", "expect"), BYTE_RANGES)
+def test_byte_ranges_on_host(tmp_path: Path, byte_range: Any, expect: slice) -> None:
+    store, data = _payload(tmp_path)
+    buf = store.get_sync("arr/c/0", prototype=cpu.buffer_prototype, byte_range=byte_range)
+    assert isinstance(buf, cpu.Buffer)
+    assert buf.to_bytes() == data[expect]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("byte_range", "expect"), BYTE_RANGES)
+async def test_byte_ranges_into_device_memory(
+    tmp_path: Path, byte_range: Any, expect: slice
+) -> None:
+    import cupy
+    from zarr.core.buffer import gpu
+
+    store, data = _payload(tmp_path)
+    buf = await store.get("arr/c/0", prototype=gpu.buffer_prototype, byte_range=byte_range)
+    assert isinstance(buf, gpu.Buffer)
+    assert isinstance(buf.as_array_like(), cupy.ndarray)
+    assert buf.to_bytes() == data[expect]
+    # metadata stays on the host even when a GPU prototype is asked for
+    meta = await store.get("zarr.json", prototype=gpu.buffer_prototype)
+    assert isinstance(meta, cpu.Buffer)
+    # partial values, several at once
+    got = await store.get_partial_values(
+        gpu.buffer_prototype, [("arr/c/0", byte_range), ("missing", None), ("arr/c/0", None)]
+    )
+    assert got[1] is None
+    assert got[0] is not None and got[0].to_bytes() == data[expect]
+    assert got[2] is not None and got[2].to_bytes() == data
+
+
+def test_missing_keys_return_none(tmp_path: Path) -> None:
+    store, _ = _payload(tmp_path)
+    assert store.get_sync("arr/c/1", prototype=cpu.buffer_prototype) is None
+    assert store.get_sync("arr", prototype=cpu.buffer_prototype) is None  # a directory
+
+
+def test_read_only_store_refuses_writes(tmp_path: Path) -> None:
+    store, _ = _payload(tmp_path)
+    with pytest.raises(ValueError, match="read-only"):
+        store.set_sync("arr/c/1", cpu.Buffer.from_bytes(b"x"))

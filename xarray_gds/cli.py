@@ -1,0 +1,666 @@
+"""The ``xarray-gds`` command line tool: ``demo``, ``info`` and ``bench``.
+
+``xarray-gds demo`` writes a synthetic weather-like Zarr store, reads it back with
+``engine="gds-zarr"`` and ``engine="zarr"``, and shows where each variable landed and
+that both engines agree. ``xarray-gds info PATH`` lists the arrays of a store with their
+chunking, codec chain, where each codec decodes and where the engine places the data.
+``xarray-gds bench`` is a placeholder until the GPU pipeline lands.
+
+Like the rest of the package, importing this module loads no CUDA library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pandas as pd
+import xarray as xr
+import zarr
+import zarr.codecs
+from xarray import conventions
+from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
+
+import xarray_gds
+from xarray_gds import device as _device
+from xarray_gds.backend import open_store, placement
+
+__all__ = ["HOST_DECODE", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
+
+PROG = "xarray-gds"
+
+# --------------------------------------------------------------------------------------
+# Codec decode paths
+# --------------------------------------------------------------------------------------
+
+#: Decode path of every codec in this release: zarr-python's own (CPU) implementation.
+HOST_DECODE = "host (zarr-python)"
+
+#: Codec name -> decode path, for codecs that do *not* decode through zarr-python on the
+#: host. Empty in this release; the batched nvCOMP pipeline registers its codecs here
+#: (for instance ``"zstd"``) when it lands, and ``decode_path`` picks them up.
+_DECODE_PATHS: dict[str, str] = {}
+
+
+def codec_name(codec: Any) -> str:
+    """The registered name of a Zarr codec: ``"zstd"``, ``"bytes"``, ``"sharding_indexed"``.
+
+    Works for Zarr v3 codecs (the ``name`` in their metadata) and for numcodecs codecs
+    used by Zarr v2 arrays (their ``codec_id``).
+    """
+    if isinstance(codec, numcodecs.abc.Codec):
+        return str(codec.codec_id)
+    to_dict = getattr(codec, "to_dict", None)
+    if callable(to_dict):
+        meta = to_dict()
+        if isinstance(meta, Mapping) and isinstance(meta.get("name"), str):
+            return str(meta["name"])
+    return type(codec).__name__
+
+
+def decode_path(codec: Any) -> str:
+    """Where ``engine="gds-zarr"`` decodes chunks encoded with ``codec``.
+
+    In this release every codec decodes on the host through zarr-python, also when
+    the chunk bytes were read into GPU memory by kvikio (zarr's codecs copy them to
+    the host to decode). This will change when the batched GPU pipeline (nvCOMP)
+    lands: it will register the codecs it decodes on the device in ``_DECODE_PATHS``,
+    keyed by :func:`codec_name`, and this function will report them.
+
+    Parameters
+    ----------
+    codec : zarr codec or numcodecs.abc.Codec
+        A codec from an array's codec chain (Zarr v3) or its filters/compressor (v2).
+
+    Returns
+    -------
+    str
+        ``"host (zarr-python)"`` for every codec in this release.
+    """
+    return _DECODE_PATHS.get(codec_name(codec), HOST_DECODE)
+
+
+# --------------------------------------------------------------------------------------
+# Small formatting helpers
+# --------------------------------------------------------------------------------------
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "  ") -> str:
+    """Left-aligned plain-text table."""
+    rows = [list(map(str, row)) for row in rows]
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return (indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _shape(shape: Iterable[Any]) -> str:
+    """``(48, 73, 144)``; ``(73,)`` for one dimension, like a tuple."""
+    return str(tuple(int(n) for n in shape))
+
+
+def _dims(dims: Iterable[Any]) -> str:
+    """``(time, lat, lon)``, as xarray prints dimensions."""
+    return "(" + ", ".join(str(d) for d in dims) + ")"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _nbytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _error(command: str, message: object) -> None:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------
+# demo
+# --------------------------------------------------------------------------------------
+
+#: (time, lat, lon) sizes: hourly steps on a regular global grid.
+DEMO_SIZES: dict[str, tuple[int, int, int]] = {
+    "small": (48, 73, 144),  # 2 days on a 2.5 degree grid, about 7 MiB decoded
+    "medium": (240, 181, 360),  # 10 days on a 1 degree grid, about 190 MiB decoded
+}
+_TIME_CHUNK = 12
+
+
+def make_demo_dataset(size: str = "small", seed: int = 0) -> xr.Dataset:
+    """A synthetic, weather-like dataset made with numpy (nothing is downloaded).
+
+    Variables on ``(time, lat, lon)``: ``t2m`` (K, a pole-to-equator gradient, colder
+    land, a diurnal cycle that follows local solar time, and noise), ``precip`` (mostly
+    zeros with skewed showers), ``u10``/``v10`` (m s-1; written packed as int16 with
+    ``scale_factor``, ``add_offset`` and ``_FillValue``, with a few missing values);
+    and a 2-D ``land_mask`` (uint8 flags). ``time`` is hourly datetime64 and is
+    CF-encoded as integer hours; ``lat``/``lon`` are float coordinates.
+
+    Parameters
+    ----------
+    size : {"small", "medium"}
+        See :data:`DEMO_SIZES`.
+    seed : int
+        Seed of the random parts, so that the data are reproducible.
+    """
+    try:
+        nt, ny, nx = DEMO_SIZES[size]
+    except KeyError:
+        raise ValueError(f"size must be one of {sorted(DEMO_SIZES)}, got {size!r}") from None
+    rng = np.random.default_rng(seed)
+    times = pd.date_range("2024-01-01", periods=nt, freq="h")
+    lat = np.linspace(90.0, -90.0, ny)
+    lon = np.arange(nx) * (360.0 / nx)
+    phi = np.deg2rad(lat)[None, :, None]
+    lam = np.deg2rad(lon)[None, None, :]
+    hours = np.arange(nt, dtype="f8")[:, None, None]
+
+    # Continents: where a smooth pattern of low wavenumbers is high.
+    relief = np.sin(2 * lam + 0.5) * np.cos(3 * phi) + 0.5 * np.sin(5 * lam) * np.sin(2 * phi)
+    land = relief[0] > 0.35
+
+    # 2 m temperature: warmer at the equator, colder land, a diurnal cycle peaking
+    # at 14h local solar time (stronger over land), and weather noise.
+    local_hour = hours + np.rad2deg(lam) / 15.0
+    diurnal = np.cos(2 * np.pi * (local_hour - 14.0) / 24.0) * np.cos(phi)
+    t2m = (
+        300.0
+        - 45.0 * np.sin(phi) ** 2
+        - 8.0 * land
+        + np.where(land, 6.0, 1.5) * diurnal
+        + rng.normal(0.0, 0.6, (nt, ny, nx))
+    ).astype("f4")
+
+    # Winds: tropical easterlies, mid-latitude westerlies, polar easterlies, plus an
+    # eastward-travelling wave and noise.
+    wave = np.sin(4 * lam - 2 * np.pi * hours / 36.0) * np.cos(phi)
+    u10 = -6.0 * np.cos(6 * phi) + 2.0 * wave + rng.normal(0.0, 1.5, (nt, ny, nx))
+    v10 = 4.0 * np.cos(4 * lam - 2 * np.pi * hours / 36.0) * np.cos(phi) * np.sin(2 * phi)
+    v10 = v10 + rng.normal(0.0, 1.5, (nt, ny, nx))
+    u10, v10 = u10.astype("f4"), v10.astype("f4")
+    # A few missing values (a "failed sensor"), so that _FillValue masking matters.
+    for wind in (u10, v10):
+        wind.flat[rng.choice(wind.size, size=max(1, wind.size // 2000), replace=False)] = np.nan
+
+    # Precipitation: zero where the atmosphere is dry, skewed amounts where it rains.
+    moist = np.sin(3 * lam - 2 * np.pi * hours / 30.0) * np.cos(2 * phi) + rng.normal(
+        0.0, 0.5, (nt, ny, nx)
+    )
+    precip = np.where(moist > 0.8, rng.gamma(0.6, 1.2, (nt, ny, nx)), 0.0).astype("f4")
+
+    def cf(units: str, long_name: str, standard_name: str) -> dict[str, str]:
+        return {"units": units, "long_name": long_name, "standard_name": standard_name}
+
+    dims = ("time", "lat", "lon")
+    return xr.Dataset(
+        {
+            "t2m": (dims, t2m, cf("K", "2 metre temperature", "air_temperature")),
+            "precip": (
+                dims,
+                precip,
+                cf("mm", "Total precipitation (hourly)", "lwe_thickness_of_precipitation_amount"),
+            ),
+            "u10": (dims, u10, cf("m s-1", "10 metre U wind component", "eastward_wind")),
+            "v10": (dims, v10, cf("m s-1", "10 metre V wind component", "northward_wind")),
+            "land_mask": (
+                ("lat", "lon"),
+                land.astype("u1"),
+                {
+                    "long_name": "Land-sea mask",
+                    "standard_name": "land_binary_mask",
+                    "units": "1",
+                    "flag_values": np.array([0, 1], dtype="u1"),
+                    "flag_meanings": "sea land",
+                },
+            ),
+        },
+        coords={
+            "time": ("time", times, {"long_name": "time", "standard_name": "time"}),
+            "lat": ("lat", lat, cf("degrees_north", "latitude", "latitude")),
+            "lon": ("lon", lon, cf("degrees_east", "longitude", "longitude")),
+        },
+        attrs={
+            "title": f"xarray-gds demo: synthetic hourly surface weather ({size})",
+            "Conventions": "CF-1.10",
+            "source": "synthetic data made with numpy by `xarray-gds demo`",
+        },
+    )
+
+
+def demo_encoding(ds: xr.Dataset, zarr_format: int) -> dict[str, dict[str, Any]]:
+    """Encoding for :meth:`xarray.Dataset.to_zarr`: zstd, 12-hour chunks, packed winds.
+
+    Zarr v3 uses :class:`zarr.codecs.ZstdCodec`, Zarr v2 :class:`numcodecs.Zstd`.
+    """
+    if zarr_format not in (2, 3):
+        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
+    compressor: Any = zarr.codecs.ZstdCodec(level=3) if zarr_format == 3 else numcodecs.Zstd(3)
+    encoding: dict[str, dict[str, Any]] = {
+        "time": {"units": "hours since 2024-01-01 00:00:00", "dtype": "int32"},
+    }
+    for name, var in ds.data_vars.items():
+        chunks = tuple(min(_TIME_CHUNK, n) if d == "time" else n for d, n in var.sizes.items())
+        encoding[str(name)] = {"chunks": chunks, "compressors": [compressor]}
+    for name in ("u10", "v10"):
+        encoding[name].update(
+            dtype="int16", scale_factor=0.01, add_offset=0.0, _FillValue=np.int16(-32767)
+        )
+    return encoding
+
+
+def _write_demo(ds: xr.Dataset, path: Path, zarr_format: int) -> None:
+    with warnings.catch_warnings():
+        # zarr-python notes that consolidated metadata is not (yet) part of the v3
+        # spec; xarray and zarr-python read it, and it saves a listing on open.
+        warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
+        ds.to_zarr(
+            path,
+            mode="w",
+            zarr_format=zarr_format,
+            encoding=demo_encoding(ds, zarr_format),
+            consolidated=True,
+        )
+
+
+def _is_device_array(data: Any) -> bool:
+    return hasattr(data, "__cuda_array_interface__")
+
+
+def _synchronize_if_device(ds: xr.Dataset) -> None:
+    if any(_is_device_array(v.data) for v in ds.variables.values()):
+        _device.cupy().cuda.runtime.deviceSynchronize()
+
+
+def _timed_load(path: Path, engine: str, **kwargs: Any) -> tuple[xr.Dataset, float]:
+    """Open and load ``path`` with ``engine``; wall time includes finishing GPU work."""
+    start = time.perf_counter()
+    with xr.open_dataset(path, engine=engine, **kwargs) as ds:
+        loaded = ds.load()
+    _synchronize_if_device(loaded)
+    return loaded, time.perf_counter() - start
+
+
+def _placed(data: Any) -> str:
+    return "GPU (cupy)" if _is_device_array(data) else "host (numpy)"
+
+
+def _gpu_name() -> str:
+    try:
+        cp = _device.cupy()
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # the name is decoration only
+        return "CUDA device"
+
+
+def _store_size(path: Path) -> tuple[int, int]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    engine_device = None if args.device == "auto" else args.device
+    gpu_ok, gpu_reason = _device.cuda_status()
+    if engine_device == "cuda" and not gpu_ok:
+        _error("demo", f"--device cuda was asked for but {gpu_reason}. Try --device auto or cpu.")
+        return 1
+    nt, ny, nx = DEMO_SIZES[args.size]
+    print(
+        f"{PROG} demo: synthetic hourly weather, {nt} x {ny} x {nx} (time x lat x lon), "
+        f"Zarr v{args.zarr_format}, zstd, chunks of {_TIME_CHUNK} hours"
+    )
+    if args.dir is None:
+        tmp = tempfile.mkdtemp(prefix="xarray-gds-demo-")
+        parent = Path(tmp)
+    else:
+        tmp = None
+        parent = Path(args.dir).expanduser()
+        parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path = parent / f"weather-{args.size}-v{args.zarr_format}.zarr"
+        _write_demo(make_demo_dataset(args.size), path, args.zarr_format)
+        nfiles, nbytes = _store_size(path)
+        print(f"store:      {path}  ({nfiles} files, {_nbytes(nbytes)} on disk)")
+
+        if gpu_ok and engine_device != "cpu":
+            # Create the CUDA context before the clock starts: it is a one-off cost.
+            _device.cupy().cuda.runtime.deviceSynchronize()
+        try:
+            gds, gds_s = _timed_load(path, "gds-zarr", device=engine_device)
+        except _device.NoCudaDeviceError as err:
+            _error("demo", f"{err} Run with --device cpu or --device auto.")
+            return 1
+        ref, ref_s = _timed_load(path, "zarr")
+
+        if any(_is_device_array(v.data) for v in gds.variables.values()):
+            used = f"cuda ({_gpu_name()})"
+        elif engine_device == "cpu":
+            used = "cpu (host, numpy: --device cpu)"
+        else:
+            used = f"cpu (host, numpy: no usable GPU: {gpu_reason.split('; ')[0]})"
+        print(f"device:     {used}")
+        print(f"decoded:    {_nbytes(ref.nbytes)}")
+        print()
+        rows = [
+            (
+                str(name),
+                "coord" if name in gds.coords else "data",
+                _dims(var.dims),
+                _shape(var.shape),
+                str(var.dtype),
+                _placed(var.data),
+            )
+            for name, var in gds.variables.items()
+        ]
+        print(_table(("variable", "kind", "dims", "shape", "dtype", "placement"), rows))
+        print()
+        times = [
+            ("gds-zarr", f"{gds_s:.3f}", f"device={engine_device!r}, {used.split(' ')[0]}"),
+            ("zarr", f"{ref_s:.3f}", "xarray's engine, numpy"),
+        ]
+        print(_table(("engine", "open + load [s]", "notes"), times))
+        print()
+        try:
+            xr.testing.assert_identical(gds.as_numpy(), ref)
+        except AssertionError as err:
+            print("identical: NO")
+            _error("demo", f"engine='gds-zarr' and engine='zarr' disagree:\n{err}")
+            return 1
+        print("identical: yes")
+        return 0
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------
+
+
+#: Attributes that change how xarray decodes the values (shown by ``info``).
+_CF_DECODING_ATTRS = frozenset(
+    {
+        "_FillValue",
+        "missing_value",
+        "scale_factor",
+        "add_offset",
+        "_Unsigned",
+        "units",
+        "calendar",
+        "dtype",
+    }
+)
+
+
+def _dimension_names(array: Any) -> tuple[str, ...] | None:
+    """Dimension names as xarray reads them: v3 metadata or the v2 ``_ARRAY_DIMENSIONS``."""
+    if array.metadata.zarr_format == 3:
+        names = array.metadata.dimension_names
+    else:
+        names = array.attrs.get("_ARRAY_DIMENSIONS")
+    if names is None or len(names) != array.ndim or any(n is None for n in names):
+        return None
+    return tuple(str(n) for n in names)
+
+
+def _decoded_dtype(name: str, dims: tuple[str, ...], array: Any) -> np.dtype[Any]:
+    """The dtype xarray's CF decoding gives (times become datetime64), from metadata only."""
+    dtype = np.dtype(array.dtype)
+    attrs = {k: v for k, v in array.attrs.asdict().items() if k != "_ARRAY_DIMENSIONS"}
+    sample = xr.Variable(dims, np.zeros((1,) * len(dims), dtype=dtype), attrs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return np.dtype(conventions.decode_cf_variable(name, sample).dtype)
+    except Exception:  # undecodable attributes: xarray would complain on open instead
+        return dtype
+
+
+def _engine_placement(array: Any) -> str:
+    """Where ``engine="gds-zarr"`` puts this array's values, with the reason."""
+    name = array.basename
+    dims = _dimension_names(array)
+    if dims is None:
+        return "not readable by xarray (no dimension names)"
+    dtype = _decoded_dtype(name, dims, array)
+    variable = xr.Variable(dims, np.empty((0,) * len(dims), dtype=dtype))
+    if placement(name, variable) == "cuda":
+        return "device (CuPy when the engine runs on cuda)"
+    if dims == (name,):
+        return "host (index coordinate)"
+    return f"host ({dtype} after CF decoding)"
+
+
+def _codec_config(codec: Any) -> dict[str, Any]:
+    if isinstance(codec, numcodecs.abc.Codec):
+        config = dict(codec.get_config())
+        config.pop("id", None)
+        return config
+    meta = codec.to_dict() if callable(getattr(codec, "to_dict", None)) else {}
+    config = dict(meta.get("configuration") or {}) if isinstance(meta, Mapping) else {}
+    # Nested chains (sharding) are listed on lines of their own.
+    config.pop("codecs", None)
+    config.pop("index_codecs", None)
+    return config
+
+
+def _codec_text(codec: Any) -> str:
+    config = _codec_config(codec)
+    args = ", ".join(f"{k}={v!r}" for k, v in config.items())
+    return f"{codec_name(codec)}({args})" if args else codec_name(codec)
+
+
+def _v3_role(codec: Any) -> str:
+    if isinstance(codec, ArrayArrayCodec):
+        return "filter"
+    if isinstance(codec, ArrayBytesCodec):
+        return "serializer"
+    if isinstance(codec, BytesBytesCodec):
+        return "compressor"
+    return "codec"
+
+
+def _v3_rows(codecs: Iterable[Any], prefix: str = "", depth: int = 0) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    pad = "  " * depth
+    for codec in codecs:
+        rows.append((pad + prefix + _v3_role(codec), _codec_text(codec), decode_path(codec)))
+        inner = getattr(codec, "codecs", None)
+        index = getattr(codec, "index_codecs", None)
+        if isinstance(codec, zarr.codecs.ShardingCodec) and inner is not None:
+            rows += _v3_rows(inner, "inner ", depth + 1)
+            rows += _v3_rows(index or (), "index ", depth + 1)
+    return rows
+
+
+def _codec_rows(array: Any) -> list[tuple[str, ...]]:
+    """(role, codec, decode path) in encoding order."""
+    metadata = array.metadata
+    if metadata.zarr_format == 3:
+        return _v3_rows(metadata.codecs)
+    rows: list[tuple[str, ...]] = [
+        ("filter", _codec_text(f), decode_path(f)) for f in (metadata.filters or ())
+    ]
+    if metadata.compressor is not None:
+        rows.append(
+            ("compressor", _codec_text(metadata.compressor), decode_path(metadata.compressor))
+        )
+    return rows
+
+
+def _describe_array(array: Any) -> str:
+    path = "/" + array.path if array.path else "/"
+    dims = _dimension_names(array)
+    fields = [
+        ("shape", _shape(array.shape)),
+        ("dtype", str(array.dtype)),
+        ("dims", _dims(dims) if dims is not None else "(none recorded)"),
+        ("chunks", _shape(array.chunks)),
+    ]
+    if array.shards is not None:
+        fields.append(("shards", _shape(array.shards)))
+    if array.metadata.zarr_format == 2 and array.metadata.order == "F":
+        fields.append(("order", "F (column-major chunks)"))
+    fields.append(("fill_value", str(array.fill_value)))
+    cf = {k: v for k, v in array.attrs.asdict().items() if k in _CF_DECODING_ATTRS}
+    if cf:
+        fields.append(("cf", ", ".join(f"{k}={v!r}" for k, v in cf.items())))
+    fields.append(("placement", _engine_placement(array)))
+    width = max(len(k) for k, _ in fields)
+    lines = [path] + [f"  {k.ljust(width)}  {v}" for k, v in fields]
+    rows = _codec_rows(array)
+    if rows:
+        lines.append(f"  {'codecs'.ljust(width)}  (in encoding order; decoding runs bottom-up)")
+        lines.append(_table(("role", "codec", "decodes on"), rows, indent="    "))
+    else:
+        lines.append(f"  {'codecs'.ljust(width)}  (none)")
+    return "\n".join(lines)
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    try:
+        store = open_store(args.path)
+        node = zarr.open(store=store, mode="r", path=args.group or "")
+    except (OSError, ValueError, KeyError) as err:
+        if str(args.path) in str(err):  # our own and zarr's messages name the path
+            _error("info", err)
+        else:
+            _error("info", f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
+        return 2
+    if isinstance(node, zarr.Group):
+        arrays = sorted(
+            (a for _, a in node.members(max_depth=None) if isinstance(a, zarr.Array)),
+            key=lambda a: a.path,
+        )
+        ngroups = 1 + sum(isinstance(n, zarr.Group) for _, n in node.members(max_depth=None))
+        kind = f"group: {_plural(len(arrays), 'array')} in {_plural(ngroups, 'group')}"
+    else:
+        arrays = [node]
+        kind = "array"
+    print(f"store:        {store}")
+    print(f"zarr format:  {node.metadata.zarr_format}")
+    print(f"node:         /{node.path} ({kind})")
+    if isinstance(node, zarr.Group):
+        print(f"consolidated: {'yes' if node.metadata.consolidated_metadata else 'no'}")
+    for array in arrays:
+        print()
+        print(_describe_array(array))
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# bench
+# --------------------------------------------------------------------------------------
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    print(
+        f"{PROG} bench: the benchmarks live in asv_bench/ (run them with asv); "
+        f"`{PROG} bench` arrives with the GPU pipeline."
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Read Zarr stores straight into GPU memory with xarray (engine='gds-zarr').",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {xarray_gds.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="write a sample weather store and read it with both engines",
+        description=(
+            "Write a synthetic weather-like Zarr store (zstd, chunked), read it with "
+            "engine='gds-zarr' and engine='zarr', show where each variable landed and "
+            "the time each engine took, and check that both agree."
+        ),
+    )
+    demo.add_argument(
+        "--dir", help="keep the store in this directory (default: a temporary one, removed)"
+    )
+    demo.add_argument("--zarr-format", type=int, choices=(2, 3), default=3)
+    demo.add_argument(
+        "--device",
+        choices=("cuda", "cpu", "auto"),
+        default="auto",
+        help="where gds-zarr places numeric data; auto uses a GPU when one is usable",
+    )
+    demo.add_argument("--size", choices=tuple(DEMO_SIZES), default="small")
+    demo.set_defaults(run=_run_demo)
+
+    info = commands.add_parser(
+        "info",
+        help="show arrays, chunking, codecs and placement of a Zarr store",
+        description=(
+            "List the arrays of a Zarr store (v2 or v3) with shape, dtype, chunks, shards, "
+            "the codec chain, where each codec decodes and where engine='gds-zarr' puts "
+            "the values. Opens the store read-only."
+        ),
+    )
+    info.add_argument("path", help="a local Zarr store (directory)")
+    info.add_argument("--group", help="only this group (path inside the store)")
+    info.set_defaults(run=_run_info)
+
+    bench = commands.add_parser("bench", help="benchmarks (not yet: see asv_bench/)")
+    bench.set_defaults(run=_run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``xarray-gds`` command line tool.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Arguments without the program name; ``None`` uses ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 1 when a command failed, 2 for usage errors and
+        stores that cannot be opened.
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version and usage errors
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
