@@ -175,7 +175,9 @@ def write_store(path: Path, zarr_format: int, codec: str, ds: xr.Dataset | None 
             elif key == "filters" and var.dtype.kind == "b":
                 continue
             else:
-                enc[key] = value(np.dtype(enc.get("dtype", var.dtype))) if callable(value) else value
+                enc[key] = (
+                    value(np.dtype(enc.get("dtype", var.dtype))) if callable(value) else value
+                )
     ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=encoding, consolidated=True)
     return path
 

@@ -146,8 +146,9 @@ def test_wrong_zarr_format_fails_like_zarr(v3_store: Path) -> None:
     with pytest.raises(Exception) as ref_err:
         xr.open_dataset(v3_store, engine="zarr", zarr_format=2, consolidated=False)
     with pytest.raises(type(ref_err.value)):
-        xr.open_dataset(v3_store, engine="gds-zarr", zarr_format=2, consolidated=False,
-                        device="cpu")
+        xr.open_dataset(
+            v3_store, engine="gds-zarr", zarr_format=2, consolidated=False, device="cpu"
+        )
 
 
 @pytest.fixture(scope="module")

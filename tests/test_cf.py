@@ -128,9 +128,7 @@ def test_per_variable_mask_and_scale_mapping() -> None:
 
 def test_unreproducible_decodings_are_declined() -> None:
     # masked integers that xarray keeps as int64 (time-like): not ours to decode
-    assert (
-        plan_cf_decoding("t", {"_FillValue": -1}, np.dtype("i8"), np.dtype("i8"), {}) is None
-    )
+    assert plan_cf_decoding("t", {"_FillValue": -1}, np.dtype("i8"), np.dtype("i8"), {}) is None
     # a non-numeric result
     assert plan_cf_decoding("s", {}, np.dtype("i8"), np.dtype("M8[ns]"), {}) is None
     # a dtype change nobody explains

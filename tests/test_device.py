@@ -55,8 +55,14 @@ def test_reason_names_the_extra_when_cupy_is_missing(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     monkeypatch.delenv("XARRAY_GDS_DISABLE_CUDA", raising=False)
-    monkeypatch.setattr("sys.modules", {k: v for k, v in __import__("sys").modules.items()
-                                        if k != "cupy" and not k.startswith("cupy.")})
+    monkeypatch.setattr(
+        "sys.modules",
+        {
+            k: v
+            for k, v in __import__("sys").modules.items()
+            if k != "cupy" and not k.startswith("cupy.")
+        },
+    )
     cuda_status.cache_clear()
     try:
         ok, reason = cuda_status()

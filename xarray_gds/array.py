@@ -67,14 +67,10 @@ class GdsBackendArray(BackendArray):
 
     # Each reader returns raw values on the device; _finish decodes them.
     def _basic(self, key: tuple[Any, ...]) -> Any:
-        return self._finish(
-            self._array.get_basic_selection(key, prototype=self._prototype())
-        )
+        return self._finish(self._array.get_basic_selection(key, prototype=self._prototype()))
 
     def _oindex(self, key: tuple[Any, ...]) -> Any:
-        return self._finish(
-            self._array.get_orthogonal_selection(key, prototype=self._prototype())
-        )
+        return self._finish(self._array.get_orthogonal_selection(key, prototype=self._prototype()))
 
     def _vindex(self, key: tuple[Any, ...]) -> Any:
         coords = _coordinates(key, self.shape)

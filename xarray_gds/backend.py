@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+import zarr
 from xarray import conventions
 from xarray.backends import BackendEntrypoint, ZarrStore
 from xarray.backends.common import datatree_from_dict_with_io_cleanup
@@ -62,15 +63,12 @@ def open_store(filename_or_obj: str | os.PathLike[str] | Store) -> Store:
 
 
 def _group_paths(store: Store, zarr_format: int | None) -> list[str]:
-    import zarr
-
     try:
-        root = zarr.open_group(store, mode="r", zarr_format=zarr_format)
+        root = zarr.open_group(store, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
     except Exception:
         return []
-    return ["/"] + sorted(
-        "/" + path for path, node in root.members(max_depth=None) if isinstance(node, zarr.Group)
-    )
+    groups = (path for path, node in root.members(max_depth=None) if isinstance(node, zarr.Group))
+    return ["/", *sorted("/" + path for path in groups)]
 
 
 def _open_zarr_stores(
@@ -155,6 +153,7 @@ def _dataset_from_store(
     for name, var in decoded.items():
         if placement(name, var) is not None:
             zarr_array = members[name]
+            assert isinstance(zarr_array, zarr.Array)
             plan = plan_cf_decoding(
                 name,
                 raw_attrs[name],
@@ -170,9 +169,7 @@ def _dataset_from_store(
                 # host and move the result (see HostDecodedArray).
                 else HostDecodedArray(var._data, device)
             )
-            var = xr.Variable(
-                var.dims, indexing.LazilyIndexedArray(lazy), var.attrs, var.encoding
-            )
+            var = xr.Variable(var.dims, indexing.LazilyIndexedArray(lazy), var.attrs, var.encoding)
         if name in coord_names or var.dims == (name,):
             coord_vars[name] = var
         else:
@@ -269,7 +266,10 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         dev = _device.resolve_device(device)
         store = open_store(filename_or_obj)
         (zstore,) = _open_zarr_stores(
-            store, group=group, consolidated=consolidated, zarr_format=zarr_format,
+            store,
+            group=group,
+            consolidated=consolidated,
+            zarr_format=zarr_format,
             all_groups=False,
         ).values()
         with close_on_error(zstore):
@@ -306,7 +306,10 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         store = open_store(filename_or_obj)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
         stores = _open_zarr_stores(
-            store, group=parent, consolidated=consolidated, zarr_format=zarr_format,
+            store,
+            group=parent,
+            consolidated=consolidated,
+            zarr_format=zarr_format,
             all_groups=True,
         )
         out: dict[str, xr.Dataset] = {}

@@ -149,7 +149,8 @@ def plan_cf_decoding(
     dtype = raw_dtype
     signedness = None
     fills: set[Any] = set()
-    scale_factor = add_offset = None
+    scale_factor: Any = None
+    add_offset: Any = None
     if _item_or_default(mask_and_scale, name, True):
         raw_fill, fills = _encoded_fill_values(dict(raw_attrs), raw_dtype)
         if "_Unsigned" in raw_attrs:
@@ -179,9 +180,9 @@ def plan_cf_decoding(
         return None  # masked to a non-NaN sentinel (time-like): not handled here
     if to_bool and (fills or scale_factor is not None or add_offset is not None):
         return None
-    if not (fills or scale_factor is not None or add_offset is not None or to_bool):
-        if decoded_dtype != dtype:
-            return None  # some other decoder changed the dtype
+    transforms = fills or scale_factor is not None or add_offset is not None or to_bool
+    if not transforms and decoded_dtype != dtype:
+        return None  # some other decoder changed the dtype
     return CFPlan(
         raw_dtype=raw_dtype,
         dtype=decoded_dtype,

@@ -249,6 +249,9 @@ def make_demo_dataset(size: str = "small", seed: int = 0) -> xr.Dataset:
 def demo_encoding(ds: xr.Dataset, zarr_format: int) -> dict[str, dict[str, Any]]:
     """Encoding for :meth:`xarray.Dataset.to_zarr`: zstd, 12-hour chunks, packed winds.
 
+    Every variable is zstd-compressed; data variables are chunked by 12 time steps
+    and whole in space; index coordinates are one chunk each.
+
     Zarr v3 uses :class:`zarr.codecs.ZstdCodec`, Zarr v2 :class:`numcodecs.Zstd`.
     """
     if zarr_format not in (2, 3):
@@ -257,9 +260,11 @@ def demo_encoding(ds: xr.Dataset, zarr_format: int) -> dict[str, dict[str, Any]]
     encoding: dict[str, dict[str, Any]] = {
         "time": {"units": "hours since 2024-01-01 00:00:00", "dtype": "int32"},
     }
-    for name, var in ds.data_vars.items():
+    for name, var in ds.variables.items():
         chunks = tuple(min(_TIME_CHUNK, n) if d == "time" else n for d, n in var.sizes.items())
-        encoding[str(name)] = {"chunks": chunks, "compressors": [compressor]}
+        if var.dims == (name,):  # coordinates: one chunk
+            chunks = var.shape
+        encoding.setdefault(str(name), {}).update(chunks=chunks, compressors=[compressor])
     for name in ("u10", "v10"):
         encoding[name].update(
             dtype="int16", scale_factor=0.01, add_offset=0.0, _FillValue=np.int16(-32767)
@@ -281,12 +286,8 @@ def _write_demo(ds: xr.Dataset, path: Path, zarr_format: int) -> None:
         )
 
 
-def _is_device_array(data: Any) -> bool:
-    return hasattr(data, "__cuda_array_interface__")
-
-
 def _synchronize_if_device(ds: xr.Dataset) -> None:
-    if any(_is_device_array(v.data) for v in ds.variables.values()):
+    if any(_device.is_device_array(v.data) for v in ds.variables.values()):
         _device.cupy().cuda.runtime.deviceSynchronize()
 
 
@@ -300,7 +301,7 @@ def _timed_load(path: Path, engine: str, **kwargs: Any) -> tuple[xr.Dataset, flo
 
 
 def _placed(data: Any) -> str:
-    return "GPU (cupy)" if _is_device_array(data) else "host (numpy)"
+    return "GPU (cupy)" if _device.is_device_array(data) else "host (numpy)"
 
 
 def _gpu_name() -> str:
@@ -352,7 +353,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             return 1
         ref, ref_s = _timed_load(path, "zarr")
 
-        if any(_is_device_array(v.data) for v in gds.variables.values()):
+        if any(_device.is_device_array(v.data) for v in gds.variables.values()):
             used = f"cuda ({_gpu_name()})"
         elif engine_device == "cpu":
             used = "cpu (host, numpy: --device cpu)"

@@ -1,0 +1,332 @@
+"""The ``xarray-gds`` command line tool (CPU only)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+import zarr.codecs as zc
+
+import xarray_gds
+from xarray_gds import cli
+
+
+def sections(text: str) -> dict[str, str]:
+    """``info`` output split into one block per array, keyed by the array's path."""
+    blocks = [b for b in text.split("\n\n") if b.startswith("/")]
+    return {b.splitlines()[0]: b for b in blocks}
+
+
+def field(block: str, name: str) -> str:
+    """The value of one ``name  value`` line of an ``info`` block, columns joined by " | "."""
+    for line in block.splitlines():
+        key, *cells = re.split(r"\s{2,}", line.strip())
+        if key == name:
+            return " | ".join(cells)
+    raise AssertionError(f"no {name!r} line in:\n{block}")
+
+
+# --- demo ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_demo_cpu(
+    zarr_format: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = cli.main(["demo", "--device", "cpu", "--zarr-format", str(zarr_format)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.rstrip().endswith("identical: yes")
+    assert f"Zarr v{zarr_format}" in out
+    assert "device:     cpu" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    for name in ("t2m", "precip", "u10", "v10", "land_mask", "time", "lat", "lon"):
+        assert rows[name].endswith("host (numpy)"), rows[name]
+    assert rows["t2m"].split()[1:5] == ["data", "(time,", "lat,", "lon)"]
+    assert "(48, 73, 144)" in rows["t2m"]
+    assert "GPU (cupy)" not in out
+    assert "gds-zarr" in rows and "zarr" in rows  # the timing table
+    # The temporary store is gone.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_keeps_store_in_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--device", "cpu", "--dir", str(tmp_path / "out")]) == 0
+    path = tmp_path / "out" / "weather-small-v3.zarr"
+    assert str(path) in capsys.readouterr().out
+    group = zarr.open_group(path, mode="r")
+    u10 = group["u10"]
+    assert isinstance(u10, zarr.Array)
+    assert u10.dtype == np.int16
+    assert u10.chunks == (12, 73, 144)
+    assert [zc.ZstdCodec(level=3)] == list(u10.compressors)
+    assert u10.attrs["scale_factor"] == 0.01
+    with xr.open_dataset(path, engine="gds-zarr", device="cpu") as ds:
+        assert ds["u10"].dtype.kind == "f"
+        assert int(ds["u10"].isnull().sum()) > 0  # masked by _FillValue
+        assert ds["time"].dtype.kind == "M"
+
+
+def test_demo_dataset_is_weather_like() -> None:
+    ds = cli.make_demo_dataset("small")
+    assert dict(ds.sizes) == {"time": 48, "lat": 73, "lon": 144}
+    assert ds["t2m"].dtype == np.float32
+    assert 220 < float(ds["t2m"].min()) < float(ds["t2m"].max()) < 320
+    assert float((ds["precip"] == 0).mean()) > 0.5
+    assert float(ds["precip"].max()) > 0
+    assert 0 < int(ds["u10"].isnull().sum()) < ds["u10"].size // 100
+    assert ds["land_mask"].dims == ("lat", "lon")
+    assert set(np.unique(ds["land_mask"])) == {0, 1}
+    for name in ("t2m", "precip", "u10", "v10", "lat", "lon"):
+        assert {"units", "long_name", "standard_name"} <= set(ds[name].attrs), name
+    # Reproducible.
+    xr.testing.assert_identical(ds, cli.make_demo_dataset("small"))
+
+
+def test_demo_reports_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = cli._timed_load
+
+    def wrong(path: Path, engine: str, **kwargs: Any) -> tuple[xr.Dataset, float]:
+        ds, seconds = real(path, engine, **kwargs)
+        if engine == "gds-zarr":
+            ds["t2m"] = ds["t2m"] + 1
+        return ds, seconds
+
+    monkeypatch.setattr(cli, "_timed_load", wrong)
+    assert cli.main(["demo", "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert "identical: NO" in out
+    assert "disagree" in err and "t2m" in err
+
+
+def test_demo_cuda_without_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: (False, "no GPU in this test"))
+    assert cli.main(["demo", "--device", "cuda"]) == 1
+    assert "no GPU in this test" in capsys.readouterr().err
+
+
+# --- info ----------------------------------------------------------------------------
+
+
+def _v2_store(path: Path) -> Path:
+    root = zarr.open_group(path, mode="w", zarr_format=2)
+    t2m = root.create_array(
+        "t2m",
+        shape=(10, 9, 12),
+        chunks=(4, 5, 6),
+        dtype="f4",
+        compressors=[numcodecs.Zstd(level=5)],
+        filters=[numcodecs.Shuffle(elementsize=4)],
+        attributes={"_ARRAY_DIMENSIONS": ["time", "lat", "lon"], "units": "K"},
+    )
+    t2m[:] = 280.0
+    root.create_array(
+        "time",
+        shape=(10,),
+        chunks=(10,),
+        dtype="i8",
+        compressors=[numcodecs.Zstd(level=5)],
+        attributes={"_ARRAY_DIMENSIONS": ["time"], "units": "hours since 2000-01-01"},
+    )
+    root.create_array(
+        "valid_time",
+        shape=(10, 9),
+        chunks=(10, 9),
+        dtype="i8",
+        compressors=None,
+        attributes={"_ARRAY_DIMENSIONS": ["time", "lat"], "units": "hours since 2000-01-01"},
+    )
+    return path
+
+
+def _v3_store(path: Path) -> Path:
+    root = zarr.open_group(path, mode="w", zarr_format=3)
+    sub = root.create_group("forecast")
+    sub.create_array(
+        "t2m",
+        shape=(16, 20),
+        chunks=(4, 5),
+        shards=(8, 10),
+        dtype="f4",
+        compressors=[zc.ZstdCodec(level=7)],
+        dimension_names=("lat", "lon"),
+    )[:] = 1.5
+    root.create_array(
+        "lat", shape=(16,), chunks=(16,), dtype="f8", dimension_names=("lat",), compressors=None
+    )
+    return path
+
+
+def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _v2_store(tmp_path / "v2.zarr")
+    assert cli.main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "zarr format:  2" in out
+    blocks = sections(out)
+    assert set(blocks) == {"/t2m", "/time", "/valid_time"}
+    t2m = blocks["/t2m"]
+    assert field(t2m, "shape") == "(10, 9, 12)"
+    assert field(t2m, "chunks") == "(4, 5, 6)"
+    assert field(t2m, "dims") == "(time, lat, lon)"
+    assert field(t2m, "dtype") == "float32"
+    assert "shards" not in t2m
+    assert field(t2m, "filter") == "shuffle(elementsize=4) | host (zarr-python)"
+    assert field(t2m, "compressor").startswith("zstd(level=5")
+    assert field(t2m, "placement").startswith("device")
+    assert field(blocks["/time"], "placement") == "host (index coordinate)"
+    assert "datetime64" in field(blocks["/valid_time"], "placement")
+    assert "compressor" not in blocks["/valid_time"]
+
+
+def test_info_v3_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _v3_store(tmp_path / "v3.zarr")
+    assert cli.main(["info", str(path)]) == 0
+    blocks = sections(capsys.readouterr().out)
+    assert set(blocks) == {"/forecast/t2m", "/lat"}
+    t2m = blocks["/forecast/t2m"]
+    assert field(t2m, "chunks") == "(4, 5)"
+    assert field(t2m, "shards") == "(8, 10)"
+    assert field(t2m, "serializer").startswith("sharding_indexed(chunk_shape=(4, 5)")
+    assert field(t2m, "inner compressor").startswith("zstd(level=7")
+    assert field(t2m, "index compressor").startswith("crc32c")
+    assert field(t2m, "placement").startswith("device")
+    lat = blocks["/lat"]
+    assert field(lat, "placement") == "host (index coordinate)"
+    assert field(lat, "shape") == "(16,)"
+
+
+def test_info_group_and_root_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _v3_store(tmp_path / "v3.zarr")
+    assert cli.main(["info", str(path), "--group", "forecast"]) == 0
+    assert set(sections(capsys.readouterr().out)) == {"/forecast/t2m"}
+
+    zarr.create_array(tmp_path / "a.zarr", shape=(6,), chunks=(3,), dtype="i2", zarr_format=2)
+    assert cli.main(["info", str(tmp_path / "a.zarr")]) == 0
+    out = capsys.readouterr().out
+    assert "(array)" in out
+    assert "(none recorded)" in sections(out)["/"]
+
+
+def test_info_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.zarr"
+    assert cli.main(["info", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert str(missing) in err and not out
+
+    assert cli.main(["info", str(tmp_path)]) == 2
+    assert "not a Zarr store" in capsys.readouterr().err
+
+    path = _v3_store(tmp_path / "v3.zarr")
+    assert cli.main(["info", str(path), "--group", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+    assert cli.main(["info"]) == 2  # argparse usage error, no SystemExit
+    assert "path" in capsys.readouterr().err
+
+
+# Substrings that identify each conftest codec case in ``info`` output.
+_CODEC_MARKS = {
+    "zstd": "zstd(",
+    "zstd-checksum": "checksum=True",
+    "gzip": "gzip(",
+    "none": "serializer",
+    "blosc": "blosc(",
+    "crc32c": "crc32c",
+    "big-endian": "endian='big'",
+    "sharded": "sharding_indexed(",
+    "lz4": "lz4(",
+    "zlib": "zlib(",
+    "shuffle-zstd": "shuffle(",
+    "delta-zlib": "delta(",
+}
+
+
+def test_info_on_every_codec_case(
+    store_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    zarr_format, codec = request.node.callspec.params["store_path"]
+    assert cli.main(["info", str(store_path)]) == 0
+    out = capsys.readouterr().out
+    blocks = sections(out)
+    assert "/t2m" in blocks and "/time" in blocks
+    if codec == "none" and zarr_format == 2:
+        assert "compressor" not in blocks["/t2m"]
+    else:
+        assert _CODEC_MARKS[codec] in blocks["/t2m"]
+    assert field(blocks["/t2m"], "placement").startswith("device")
+    assert field(blocks["/station"], "placement").startswith("host")
+    assert "datetime64" in field(blocks["/valid_time"], "placement")
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [zc.ZstdCodec(), zc.BytesCodec(), zc.Crc32cCodec(), numcodecs.Zstd(), numcodecs.Blosc()],
+    ids=repr,
+)
+def test_every_codec_decodes_on_the_host_for_now(codec: Any) -> None:
+    assert cli.decode_path(codec) == "host (zarr-python)"
+
+
+def test_codec_name() -> None:
+    assert cli.codec_name(zc.ZstdCodec()) == "zstd"
+    assert cli.codec_name(zc.ShardingCodec(chunk_shape=(2,))) == "sharding_indexed"
+    assert cli.codec_name(numcodecs.GZip()) == "gzip"
+
+
+# --- bench, --version, entry points ---------------------------------------------------
+
+
+def test_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench"]) == 0
+    assert "asv_bench" in capsys.readouterr().out
+
+
+def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"xarray-gds {xarray_gds.__version__}"
+    assert cli.main([]) == 2
+    assert "demo" in capsys.readouterr().err
+    assert cli.main(["frobnicate"]) == 2
+
+
+def test_module_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "xarray_gds.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"xarray-gds {xarray_gds.__version__}"
+
+
+def test_console_script(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "xarray-gds"
+    if not script.exists():
+        pytest.skip("the xarray-gds console script is not installed next to this Python")
+    result = subprocess.run(
+        [str(script), "info", str(tmp_path / "nope.zarr")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "nope.zarr" in result.stderr
+    assert "Traceback" not in result.stderr
