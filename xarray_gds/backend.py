@@ -21,6 +21,7 @@ from zarr.abc.store import Store
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray
 from xarray_gds.cf import plan_cf_decoding
+from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
 
 __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
@@ -88,9 +89,11 @@ def _open_zarr_stores(
         mode="r", group=group, consolidated=consolidated, zarr_format=zarr_format
     )
     try:
-        if all_groups:
-            return ZarrStore.open_store(store, **kwargs)
-        return {group or "/": ZarrStore.open_group(store, **kwargs)}
+        # arrays opened here read through the batched pipeline (see pipeline.py)
+        with use_gds_pipeline():
+            if all_groups:
+                return ZarrStore.open_store(store, **kwargs)
+            return {group or "/": ZarrStore.open_group(store, **kwargs)}
     except (KeyError, FileNotFoundError) as err:
         if group in (None, "", "/"):
             raise

@@ -27,6 +27,7 @@ import pandas as pd
 import xarray as xr
 import zarr
 import zarr.codecs
+from numcodecs.abc import Codec as NumcodecsCodec
 from xarray import conventions
 from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
@@ -34,7 +35,7 @@ import xarray_gds
 from xarray_gds import device as _device
 from xarray_gds.backend import open_store, placement
 
-__all__ = ["HOST_DECODE", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
+__all__ = ["HOST_DECODE", "codec_name", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
 
 PROG = "xarray-gds"
 
@@ -57,7 +58,7 @@ def codec_name(codec: Any) -> str:
     Works for Zarr v3 codecs (the ``name`` in their metadata) and for numcodecs codecs
     used by Zarr v2 arrays (their ``codec_id``).
     """
-    if isinstance(codec, numcodecs.abc.Codec):
+    if isinstance(codec, NumcodecsCodec):
         return str(codec.codec_id)
     to_dict = getattr(codec, "to_dict", None)
     if callable(to_dict):
@@ -71,10 +72,10 @@ def decode_path(codec: Any) -> str:
     """Where ``engine="gds-zarr"`` decodes chunks encoded with ``codec``.
 
     In this release every codec decodes on the host through zarr-python, also when
-    the chunk bytes were read into GPU memory by kvikio (zarr's codecs copy them to
-    the host to decode). This will change when the batched GPU pipeline (nvCOMP)
-    lands: it will register the codecs it decodes on the device in ``_DECODE_PATHS``,
-    keyed by :func:`codec_name`, and this function will report them.
+    the chunk bytes were read into GPU memory by kvikio (zarr-python's compressors
+    copy them to the host to decode). This will change when the batched GPU pipeline
+    (nvCOMP) lands: it will register the codecs it decodes on the device in
+    ``_DECODE_PATHS``, keyed by :func:`codec_name`, and this function will report them.
 
     Parameters
     ----------
@@ -139,8 +140,8 @@ def _error(command: str, message: object) -> None:
 
 #: (time, lat, lon) sizes: hourly steps on a regular global grid.
 DEMO_SIZES: dict[str, tuple[int, int, int]] = {
-    "small": (48, 73, 144),  # 2 days on a 2.5 degree grid, about 7 MiB decoded
-    "medium": (240, 181, 360),  # 10 days on a 1 degree grid, about 190 MiB decoded
+    "small": (48, 73, 144),  # 2 days on a 2.5 degree grid, about 12 MiB decoded
+    "medium": (240, 181, 360),  # 10 days on a 1 degree grid, about 360 MiB decoded
 }
 _TIME_CHUNK = 12
 
@@ -454,7 +455,7 @@ def _engine_placement(array: Any) -> str:
 
 
 def _codec_config(codec: Any) -> dict[str, Any]:
-    if isinstance(codec, numcodecs.abc.Codec):
+    if isinstance(codec, NumcodecsCodec):
         config = dict(codec.get_config())
         config.pop("id", None)
         return config

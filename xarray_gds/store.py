@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import Buffer, cpu
 from zarr.storage import LocalStore
@@ -17,7 +20,7 @@ from xarray_gds import device as _device
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
-__all__ = ["GdsStore", "is_metadata_key"]
+__all__ = ["DeviceBatch", "GdsStore", "is_metadata_key", "read_files_device", "read_files_host"]
 
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
@@ -71,6 +74,90 @@ def _read_device(path: Path, byte_range: ByteRequest | None) -> Any:
     return out
 
 
+def read_files_host(paths: list[Path]) -> list[np.ndarray | None]:
+    """Whole files as uint8 arrays (``None`` for missing files), read by threads."""
+    from xarray_gds.codecs.host import _pool
+
+    def one(path: Path) -> np.ndarray | None:
+        try:
+            return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    if len(paths) < 4:
+        return [one(p) for p in paths]
+    return list(_pool().map(one, paths))
+
+
+@dataclass
+class DeviceBatch:
+    """Whole files packed into one device buffer.
+
+    Attributes
+    ----------
+    arena : cupy.ndarray
+        uint8 buffer holding every present file, each starting at an 8-byte boundary.
+    offsets, sizes : numpy.ndarray
+        int64 start and length of each file in ``arena``; ``sizes`` is -1 for
+        missing files.
+    """
+
+    arena: Any
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    def view(self, i: int) -> Any:
+        start = int(self.offsets[i])
+        return self.arena[start : start + int(self.sizes[i])]
+
+
+def _sizes(paths: list[Path]) -> np.ndarray:
+    sizes = np.full(len(paths), -1, dtype=np.int64)
+    for i, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            sizes[i] = st.st_size
+    return sizes
+
+
+def pack_offsets(sizes: np.ndarray, align: int = 8) -> tuple[np.ndarray, int]:
+    """Start offsets (aligned) of buffers of ``sizes`` laid end to end, and the total."""
+    padded = (np.maximum(sizes, 0) + align - 1) // align * align
+    offsets = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes):
+        np.cumsum(padded[:-1], out=offsets[1:])
+    return offsets, int(padded.sum())
+
+
+def read_files_device(paths: list[Path]) -> DeviceBatch:
+    """Read whole files into one device arena with kvikio, all reads in flight at once."""
+    cp = _device.cupy()
+    kvikio = _device.kvikio()
+    sizes = _sizes(paths)
+    offsets, total = pack_offsets(sizes)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    handles = []
+    try:
+        futures = []
+        for path, start, size in zip(paths, offsets.tolist(), sizes.tolist(), strict=True):
+            if size <= 0:
+                continue
+            f = kvikio.CuFile(path, "r")
+            handles.append(f)
+            futures.append((path, size, f.pread(arena[start : start + size], size, 0)))
+        for path, size, future in futures:
+            got = future.get()
+            if got != size:
+                raise OSError(f"short read from {path}: got {got} of {size} bytes")
+    finally:
+        for f in handles:
+            f.close()
+    return DeviceBatch(arena, offsets, sizes)
+
+
 class GdsStore(LocalStore):
     """A :class:`zarr.storage.LocalStore` whose chunk reads land in GPU memory.
 
@@ -92,7 +179,8 @@ class GdsStore(LocalStore):
         Refuse writes.
     """
 
-    def _path(self, key: str) -> Path:
+    def resolve(self, key: str) -> Path:
+        """The file that holds ``key``; raises ValueError for keys that escape the root."""
         parts = key.split("/")
         if key.startswith("/") or "\\" in key or any(p in ("..", ".") for p in parts):
             raise ValueError(
@@ -106,7 +194,7 @@ class GdsStore(LocalStore):
     ) -> Buffer | None:
         if prototype is None:
             prototype = cpu.buffer_prototype
-        path = self._path(key)
+        path = self.resolve(key)
         try:
             if _is_gpu_prototype(prototype) and not is_metadata_key(key):
                 return prototype.buffer.from_array_like(_read_device(path, byte_range))
@@ -116,6 +204,20 @@ class GdsStore(LocalStore):
         if is_metadata_key(key):
             return cpu.Buffer.from_bytes(data)
         return prototype.buffer.from_bytes(data)
+
+    def read_chunks(self, keys: list[str], device: str) -> Any:
+        """Whole chunk files for the batched pipeline.
+
+        Parameters
+        ----------
+        keys : list of str
+            Chunk keys.
+        device : {"cuda", "cpu"}
+            ``"cuda"``: one :class:`DeviceBatch` read by kvikio. ``"cpu"``: a list
+            of uint8 numpy arrays, ``None`` for missing keys.
+        """
+        paths = [self.resolve(k) for k in keys]
+        return read_files_device(paths) if device == "cuda" else read_files_host(paths)
 
     def get_sync(
         self,
@@ -150,31 +252,31 @@ class GdsStore(LocalStore):
 
     # Key validation for the inherited write/list paths.
     def set_sync(self, key: str, value: Buffer) -> None:
-        self._path(key)
+        self.resolve(key)
         super().set_sync(key, value)
 
     def delete_sync(self, key: str) -> None:
-        self._path(key)
+        self.resolve(key)
         super().delete_sync(key)
 
     async def set(self, key: str, value: Buffer) -> None:
-        self._path(key)
+        self.resolve(key)
         await super().set(key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        self._path(key)
+        self.resolve(key)
         await super().set_if_not_exists(key, value)
 
     async def delete(self, key: str) -> None:
-        self._path(key)
+        self.resolve(key)
         await super().delete(key)
 
     async def exists(self, key: str) -> bool:
-        self._path(key)
+        self.resolve(key)
         return await super().exists(key)
 
     async def getsize(self, key: str) -> int:
-        self._path(key)
+        self.resolve(key)
         return await super().getsize(key)
 
     def __repr__(self) -> str:

@@ -1,0 +1,215 @@
+"""Decode chains: what it takes to turn stored chunk bytes back into chunk arrays.
+
+:func:`plan_chain` reads an array's metadata (Zarr v2 or v3) and returns a
+:class:`DecodeChain` when every codec has a batched implementation here, or a
+:class:`Unsupported` naming the codecs that do not (those arrays are decoded by
+zarr-python's own pipeline). A chain decodes a whole batch of chunks at once: one
+decompression call per batch (nvCOMP on the device, threaded numcodecs on the host),
+then array-wide filters on the stacked ``(n_chunks, chunk_nbytes)`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numcodecs
+import numpy as np
+import zarr.codecs as zc
+from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
+
+from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
+
+__all__ = ["Compressor", "DecodeChain", "Unsupported", "codec_name", "plan_chain"]
+
+#: Compression formats with a batched decoder on both the host and the device.
+COMPRESSORS = ("zstd", "gzip", "zlib", "lz4")
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """One bytes-to-bytes decompression stage.
+
+    Attributes
+    ----------
+    name : {"zstd", "gzip", "zlib", "lz4"}
+        Stream format. ``lz4`` is numcodecs' framing: a 4-byte little-endian size
+        followed by an LZ4 block; ``zlib`` is RFC 1950, ``gzip`` RFC 1952.
+    host_codec : numcodecs.abc.Codec
+        The numcodecs codec that decodes one chunk on the host.
+    """
+
+    name: str
+    host_codec: Any
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """An array whose codecs are not all handled by the batched pipeline."""
+
+    codecs: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class DecodeChain:
+    """How to decode every chunk of one array.
+
+    Attributes
+    ----------
+    chunk_shape : tuple of int
+        Shape of a (full) chunk; edge chunks are stored at full size too.
+    dtype : numpy.dtype
+        Stored dtype (its byte order may be non-native).
+    crc32c : bool
+        A trailing CRC-32C (v3 ``crc32c`` codec) to check and strip first.
+    compressor : Compressor or None
+        The decompression stage, if any.
+    filters : tuple of ByteFilter
+        Byte-level filters in decode order (v2 ``Shuffle``, ``Delta``).
+    stored_order : tuple of int
+        Axis permutation of the stored layout: the stored chunk is
+        ``chunk.transpose(stored_order)`` (v3 ``transpose``, v2 ``order="F"``).
+    codecs : tuple of str
+        Codec names, for messages and ``xarray-gds info``.
+    """
+
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+    crc32c: bool = False
+    compressor: Compressor | None = None
+    filters: tuple[ByteFilter, ...] = ()
+    stored_order: tuple[int, ...] = ()
+    codecs: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Decoded size of one chunk in bytes."""
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+    @property
+    def device_ready(self) -> bool:
+        """True when every stage also runs on the GPU."""
+        return not self.crc32c and all(f.device_ready for f in self.filters)
+
+    def finish(self, data: Any, xp: Any) -> Any:
+        """Bytes ``(n, nbytes)`` to the chunk arrays ``(n, *chunk_shape)``, native order."""
+        n = data.shape[0]
+        dtype = self.dtype
+        if not dtype.isnative and dtype.itemsize > 1:
+            # byte-reverse each scalar (each half of a complex value)
+            unit = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+            data = data.reshape(n, -1, unit)[:, :, ::-1]
+            data = xp.ascontiguousarray(data).reshape(n, -1)
+            dtype = dtype.newbyteorder("=")
+        stored_shape = tuple(self.chunk_shape[i] for i in self.stored_order)
+        values = data.view(dtype).reshape((n, *stored_shape))
+        if self.stored_order != tuple(range(len(self.chunk_shape))):
+            inverse = np.argsort(self.stored_order)
+            values = values.transpose((0, *(1 + int(i) for i in inverse)))
+        return values
+
+
+def codec_name(codec: Any) -> str:
+    """A short name for a zarr v3 codec or numcodecs codec."""
+    if hasattr(codec, "codec_id"):
+        return str(codec.codec_id)
+    try:
+        return str(codec.to_dict()["name"])
+    except Exception:
+        return type(codec).__name__
+
+
+def _numcodecs_compressor(codec: Any) -> Compressor | None:
+    if isinstance(codec, numcodecs.Zstd):
+        return Compressor("zstd", codec)
+    if isinstance(codec, numcodecs.GZip):
+        return Compressor("gzip", codec)
+    if isinstance(codec, numcodecs.Zlib):
+        return Compressor("zlib", codec)
+    if isinstance(codec, numcodecs.LZ4):
+        return Compressor("lz4", codec)
+    return None
+
+
+def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain | Unsupported:
+    names = tuple(codec_name(c) for c in meta.codecs)
+    ndim = len(chunk_shape)
+    order = tuple(range(ndim))
+    endian_big = False
+    crc = False
+    compressor: Compressor | None = None
+    seen_bytes = False
+    for codec in meta.codecs:
+        if isinstance(codec, zc.TransposeCodec) and not seen_bytes:
+            order = tuple(order[i] for i in codec.order)
+        elif isinstance(codec, zc.BytesCodec) and not seen_bytes:
+            seen_bytes = True
+            endian_big = str(getattr(codec.endian, "value", codec.endian)) == "big"
+        elif isinstance(codec, zc.ZstdCodec) and seen_bytes and compressor is None and not crc:
+            compressor = Compressor("zstd", numcodecs.Zstd(level=codec.level))
+        elif isinstance(codec, zc.GzipCodec) and seen_bytes and compressor is None and not crc:
+            compressor = Compressor("gzip", numcodecs.GZip(level=codec.level))
+        elif isinstance(codec, zc.Crc32cCodec) and seen_bytes and not crc:
+            crc = True
+        else:
+            return Unsupported(names, f"codec {codec_name(codec)!r} has no batched decoder")
+    dtype = np.dtype(meta.data_type.to_native_dtype())
+    if dtype.kind not in "biufc":
+        return Unsupported(names, f"dtype {dtype} is not numeric")
+    if endian_big:
+        dtype = dtype.newbyteorder(">")
+    return DecodeChain(chunk_shape, dtype, crc, compressor, (), order, names)
+
+
+def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain | Unsupported:
+    filters = tuple(meta.filters or ())
+    names = tuple(codec_name(c) for c in (*filters, meta.compressor) if c is not None)
+    dtype = np.dtype(meta.dtype.to_native_dtype())
+    if dtype.kind not in "biufc":
+        return Unsupported(names, f"dtype {dtype} is not numeric")
+    compressor = None
+    if meta.compressor is not None:
+        compressor = _numcodecs_compressor(meta.compressor)
+        if compressor is None:
+            return Unsupported(names, f"compressor {codec_name(meta.compressor)!r}")
+    planned: list[ByteFilter] = []
+    for f in reversed(filters):  # decode order
+        if isinstance(f, numcodecs.Shuffle):
+            planned.append(Unshuffle(int(f.elementsize)))
+        elif (
+            isinstance(f, numcodecs.Delta)
+            and np.dtype(f.dtype) == np.dtype(f.astype)
+            and np.dtype(f.dtype).kind in "iuf"
+            and np.dtype(f.dtype).isnative
+        ):
+            planned.append(Undelta(np.dtype(f.dtype)))
+        else:
+            return Unsupported(names, f"filter {codec_name(f)!r} has no batched decoder")
+    ndim = len(chunk_shape)
+    order = tuple(range(ndim)) if meta.order == "C" else tuple(reversed(range(ndim)))
+    return DecodeChain(chunk_shape, dtype, False, compressor, tuple(planned), order, names)
+
+
+def plan_chain(metadata: Any) -> DecodeChain | Unsupported:
+    """Plan the batched decode of an array from its zarr metadata.
+
+    Parameters
+    ----------
+    metadata : ArrayV2Metadata or ArrayV3Metadata
+        The array's metadata.
+
+    Returns
+    -------
+    DecodeChain or Unsupported
+    """
+    if isinstance(metadata, ArrayV3Metadata):
+        grid = metadata.chunk_grid
+        chunk_shape = getattr(grid, "chunk_shape", None)
+        if chunk_shape is None:
+            return Unsupported(("irregular chunk grid",), "chunk grid is not regular")
+        return _plan_v3(metadata, tuple(chunk_shape))
+    if isinstance(metadata, ArrayV2Metadata):
+        return _plan_v2(metadata, tuple(metadata.chunks))
+    return Unsupported((type(metadata).__name__,), "unknown metadata")

@@ -1,0 +1,79 @@
+"""Host decoders: numcodecs in a thread pool, one batch at a time."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import google_crc32c
+import numpy as np
+from numcodecs.compat import ensure_ndarray
+
+from xarray_gds.codecs import Compressor
+from xarray_gds.errors import ChunkDecodeError
+
+__all__ = ["decompress", "strip_crc32c"]
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    workers = int(os.environ.get("XARRAY_GDS_HOST_THREADS", min(32, os.cpu_count() or 1)))
+    return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="xarray-gds")
+
+
+def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]:
+    """Check and remove the trailing CRC-32C (little-endian) of every chunk."""
+    out = []
+    for raw, key in zip(chunks, keys, strict=True):
+        data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
+        if data.size < 4:
+            raise ChunkDecodeError(key, "crc32c", f"{data.size} bytes is too short for a checksum")
+        body, stored = data[:-4], int(data[-4:].view("<u4")[0])
+        actual = google_crc32c.value(body.tobytes())
+        if actual != stored:
+            raise ChunkDecodeError(
+                key, "crc32c", f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x})"
+            )
+        out.append(body)
+    return out
+
+
+def decompress(
+    compressor: Compressor, chunks: Sequence[Any], nbytes: int, keys: Sequence[str]
+) -> np.ndarray:
+    """Decode ``chunks`` with ``compressor`` into a ``(len(chunks), nbytes)`` array."""
+    out = np.empty((len(chunks), nbytes), dtype=np.uint8)
+
+    def one(i: int) -> None:
+        try:
+            decoded = ensure_ndarray(compressor.host_codec.decode(chunks[i]))
+        except Exception as err:
+            raise ChunkDecodeError(keys[i], compressor.name, str(err) or type(err).__name__) from err
+        decoded = decoded.view(np.uint8).reshape(-1)
+        if decoded.size != nbytes:
+            raise ChunkDecodeError(
+                keys[i], compressor.name, f"decoded to {decoded.size} bytes, expected {nbytes}"
+            )
+        out[i] = decoded
+
+    if len(chunks) < 4:
+        for i in range(len(chunks)):
+            one(i)
+    else:
+        for _ in _pool().map(one, range(len(chunks))):
+            pass
+    return out
+
+
+def stack(chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> np.ndarray:
+    """Uncompressed chunks as one ``(n, nbytes)`` array, checking every size."""
+    out = np.empty((len(chunks), nbytes), dtype=np.uint8)
+    for i, (raw, key) in enumerate(zip(chunks, keys, strict=True)):
+        data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
+        if data.size != nbytes:
+            raise ChunkDecodeError(key, "bytes", f"chunk holds {data.size} bytes, expected {nbytes}")
+        out[i] = data
+    return out

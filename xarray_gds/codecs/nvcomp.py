@@ -1,0 +1,1 @@
+"""Device decoders: nvCOMP batch decompression of standard streams (placeholder)."""

@@ -1,0 +1,229 @@
+"""A zarr codec pipeline that reads and decodes chunks in batches.
+
+:class:`GdsCodecPipeline` plugs into zarr-python through its public extension point,
+the ``codec_pipeline.path`` setting. For arrays whose codecs :func:`plan_chain`
+understands, a read fetches every chunk of the selection at once (kvikio into one
+device arena for :class:`~xarray_gds.store.GdsStore`), decodes them with one batched
+call per batch (nvCOMP on the GPU, threaded numcodecs on the host), undoes filters on
+the whole batch, and scatters the chunks into the output. Everything else, writes
+included, goes to zarr's own :class:`~zarr.core.codec_pipeline.BatchedCodecPipeline`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Self
+
+import zarr
+from zarr.abc.codec import CodecPipeline, GetResult
+from zarr.core.array import create_codec_pipeline
+from zarr.core.buffer import cpu
+from zarr.core.chunk_utils import fill_value_or_default
+from zarr.core.codec_pipeline import BatchedCodecPipeline
+from zarr.registry import register_pipeline
+
+from xarray_gds import device as _device
+from xarray_gds.codecs import DecodeChain, Unsupported, host, plan_chain
+from xarray_gds.store import GdsStore
+
+__all__ = ["GdsCodecPipeline", "batch_bytes", "use_gds_pipeline"]
+
+_PATH = "xarray_gds.pipeline.GdsCodecPipeline"
+_ZARR_DEFAULT = "zarr.core.codec_pipeline.BatchedCodecPipeline"
+_warned: set[str] = set()
+
+
+def batch_bytes() -> int:
+    """Most decoded bytes held at once by one read (``XARRAY_GDS_BATCH_BYTES``, 1 GiB)."""
+    return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", 1 << 30))
+
+
+@contextlib.contextmanager
+def use_gds_pipeline() -> Iterator[None]:
+    """Arrays opened inside this context read through :class:`GdsCodecPipeline`."""
+    with zarr.config.set({"codec_pipeline.path": _PATH}):
+        yield
+
+
+def _array_name(key: str, chunk_key_parts: int) -> str:
+    parts = key.split("/")
+    return "/".join(parts[: max(0, len(parts) - chunk_key_parts)]) or "/"
+
+
+class GdsCodecPipeline(CodecPipeline):
+    """zarr codec pipeline with batched reads; see the module docstring.
+
+    Parameters
+    ----------
+    fallback : CodecPipeline
+        zarr's pipeline for the same codecs: writes and unsupported reads use it.
+    chain : DecodeChain, Unsupported or None
+        The batched decode plan (``None`` for inner pipelines built from codecs).
+    chunk_key_parts : int
+        Number of path segments in a chunk key (to name arrays in messages).
+    """
+
+    def __init__(
+        self,
+        fallback: CodecPipeline,
+        chain: DecodeChain | Unsupported | None = None,
+        chunk_key_parts: int = 1,
+    ) -> None:
+        self._fallback = fallback
+        self._chain = chain
+        self._chunk_key_parts = chunk_key_parts
+
+    def __repr__(self) -> str:
+        return f"GdsCodecPipeline(chain={self._chain!r})"
+
+    @property
+    def chain(self) -> DecodeChain | Unsupported | None:
+        """The batched decode plan of this array."""
+        return self._chain
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_codecs(cls, codecs: Iterable[Any]) -> Self:
+        return cls(BatchedCodecPipeline.from_codecs(codecs))
+
+    @classmethod
+    def from_array_metadata_and_store(cls, array_metadata: Any, store: Any) -> Self:
+        with zarr.config.set({"codec_pipeline.path": _ZARR_DEFAULT}):
+            fallback = create_codec_pipeline(array_metadata)
+        ndim = len(array_metadata.shape)
+        parts = len(array_metadata.encode_chunk_key((0,) * ndim).split("/")) if ndim else 1
+        return cls(fallback, plan_chain(array_metadata), parts)
+
+    def evolve_from_array_spec(self, array_spec: Any) -> Self:
+        evolved = self._fallback.evolve_from_array_spec(array_spec)
+        return type(self)(evolved, self._chain, self._chunk_key_parts)
+
+    # -- delegated ----------------------------------------------------------------
+    @property
+    def supports_partial_decode(self) -> bool:
+        return self._fallback.supports_partial_decode
+
+    @property
+    def supports_partial_encode(self) -> bool:
+        return self._fallback.supports_partial_encode
+
+    def validate(self, *, shape: Any, dtype: Any, chunk_grid: Any) -> None:
+        self._fallback.validate(shape=shape, dtype=dtype, chunk_grid=chunk_grid)
+
+    def compute_encoded_size(self, byte_length: int, array_spec: Any) -> int:
+        return self._fallback.compute_encoded_size(byte_length, array_spec)
+
+    async def decode(self, chunk_bytes_and_specs: Iterable[Any]) -> Iterable[Any]:
+        return await self._fallback.decode(chunk_bytes_and_specs)
+
+    async def encode(self, chunk_arrays_and_specs: Iterable[Any]) -> Iterable[Any]:
+        return await self._fallback.encode(chunk_arrays_and_specs)
+
+    async def write(self, batch_info: Iterable[Any], value: Any, drop_axes: Any = ()) -> None:
+        await self._fallback.write(batch_info, value, drop_axes)
+
+    # -- the batched read ---------------------------------------------------------
+    async def read(
+        self, batch_info: Iterable[Any], out: Any, drop_axes: tuple[int, ...] = ()
+    ) -> tuple[GetResult, ...]:
+        batch = list(batch_info)
+        if not batch:
+            return ()
+        chain = self._chain
+        on_device = not isinstance(out, cpu.NDBuffer)
+        if not isinstance(chain, DecodeChain) or (on_device and not chain.device_ready):
+            if on_device and chain is not None:
+                self._warn_host_decode(batch[0][0].path, chain)
+            return await self._fallback.read(batch, out, drop_axes)
+        keys = [bg.path for bg, *_ in batch]
+        store = batch[0][0].store
+        if isinstance(store, GdsStore):
+            dev = "cuda" if on_device else "cpu"
+            fetched: Any = await asyncio.to_thread(store.read_chunks, keys, dev)
+        else:
+            proto = _device.buffer_prototype("cuda" if on_device else "cpu")
+            bufs = await asyncio.gather(*(bg.get(prototype=proto) for bg, *_ in batch))
+            fetched = [None if b is None else b.as_array_like() for b in bufs]
+            if on_device:
+                from xarray_gds.codecs.nvcomp import pack
+
+                fetched = pack(fetched)
+        return await asyncio.to_thread(
+            _decode_and_scatter, chain, batch, keys, fetched, out, drop_axes, on_device
+        )
+
+    def _warn_host_decode(self, key: str, chain: DecodeChain | Unsupported) -> None:
+        name = _array_name(key, self._chunk_key_parts)
+        if name in _warned:
+            return
+        _warned.add(name)
+        codecs = ", ".join(chain.codecs)
+        why = chain.reason if isinstance(chain, Unsupported) else "a step runs on the host only"
+        warnings.warn(
+            f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are "
+            "decoded on the host by zarr-python and then copied to the GPU",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+register_pipeline(GdsCodecPipeline)
+
+
+def _decode_host(chain: DecodeChain, chunks: list[Any], keys: list[str]) -> Any:
+    if chain.crc32c:
+        chunks = host.strip_crc32c(chunks, keys)
+    if chain.compressor is not None:
+        return host.decompress(chain.compressor, chunks, chain.nbytes, keys)
+    return host.stack(chunks, chain.nbytes, keys)
+
+
+def _decode_and_scatter(
+    chain: DecodeChain,
+    batch: list[Any],
+    keys: list[str],
+    fetched: Any,
+    out: Any,
+    drop_axes: tuple[int, ...],
+    on_device: bool,
+) -> tuple[GetResult, ...]:
+    xp = _device.array_module("cuda" if on_device else "cpu")
+    if on_device:
+        from xarray_gds.codecs import nvcomp
+
+        present = [i for i, size in enumerate(fetched.sizes.tolist()) if size >= 0]
+    else:
+        present = [i for i, data in enumerate(fetched) if data is not None]
+    target = out.as_ndarray_like()
+    per_batch = max(1, batch_bytes() // max(1, chain.nbytes))
+    for start in range(0, len(present), per_batch):
+        idx = present[start : start + per_batch]
+        sub_keys = [keys[i] for i in idx]
+        if on_device:
+            data = nvcomp.decode(chain, fetched, idx, sub_keys)
+        else:
+            data = _decode_host(chain, [fetched[i] for i in idx], sub_keys)
+        for f in chain.filters:
+            data = f.apply(data, xp)
+        chunks = chain.finish(data, xp)
+        for j, i in enumerate(idx):
+            _, _, chunk_sel, out_sel, _ = batch[i]
+            value = chunks[j][chunk_sel]
+            if drop_axes:
+                value = value.squeeze(axis=drop_axes)
+            target[out_sel] = value
+        del data, chunks
+    present_set = set(present)
+    results: list[GetResult] = []
+    for i, (_, spec, _, out_sel, _) in enumerate(batch):
+        if i in present_set:
+            results.append(GetResult(status="present"))
+        else:
+            target[out_sel] = fill_value_or_default(spec)
+            results.append(GetResult(status="missing"))
+    return tuple(results)
+
