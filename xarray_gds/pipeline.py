@@ -226,4 +226,3 @@ def _decode_and_scatter(
             target[out_sel] = fill_value_or_default(spec)
             results.append(GetResult(status="missing"))
     return tuple(results)
-

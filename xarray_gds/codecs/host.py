@@ -51,7 +51,9 @@ def decompress(
         try:
             decoded = ensure_ndarray(compressor.host_codec.decode(chunks[i]))
         except Exception as err:
-            raise ChunkDecodeError(keys[i], compressor.name, str(err) or type(err).__name__) from err
+            raise ChunkDecodeError(
+                keys[i], compressor.name, str(err) or type(err).__name__
+            ) from err
         decoded = decoded.view(np.uint8).reshape(-1)
         if decoded.size != nbytes:
             raise ChunkDecodeError(
@@ -74,6 +76,8 @@ def stack(chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> np.ndarray
     for i, (raw, key) in enumerate(zip(chunks, keys, strict=True)):
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
         if data.size != nbytes:
-            raise ChunkDecodeError(key, "bytes", f"chunk holds {data.size} bytes, expected {nbytes}")
+            raise ChunkDecodeError(
+                key, "bytes", f"chunk holds {data.size} bytes, expected {nbytes}"
+            )
         out[i] = data
     return out

@@ -1,1 +1,215 @@
-"""Device decoders: nvCOMP batch decompression of standard streams (placeholder)."""
+"""Device decoders: one nvCOMP batch call per batch of chunks, standard streams only.
+
+The chunks of a batch lie in one device arena (:class:`~xarray_gds.store.DeviceBatch`).
+Framing is handled here with host work on metadata only: the first bytes of every
+chunk are gathered in one kernel and copied to the host to check the stream headers
+(zstd magic and content size, numcodecs' LZ4 size prefix, zlib's header), then the
+offsets and sizes (numpy vectors) are adjusted to point at the raw stream, and
+nvCOMP decodes every chunk of the batch into rows of one output buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from xarray_gds import device as _device
+from xarray_gds.codecs import DecodeChain
+from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.store import DeviceBatch, pack_offsets
+
+__all__ = ["decode", "pack"]
+
+#: nvCOMP algorithm for each stream format. zlib streams are raw deflate once their
+#: 2-byte header and 4-byte Adler-32 trailer are stripped.
+ALGORITHMS = {"zstd": "Zstd", "gzip": "Gzip", "zlib": "Deflate", "lz4": "LZ4"}
+_ALIGN = 16  # the strictest nvCOMP input/output alignment (the docs advise 16)
+_PEEK = 18  # bytes of each chunk checked on the host (longest zstd frame header)
+_ZSTD_MAGIC = 0xFD2FB528
+
+_local = threading.local()
+
+
+def _nvcomp() -> Any:
+    try:
+        from nvidia import nvcomp
+    except ImportError as err:
+        raise ImportError(
+            "xarray-gds decodes on the GPU with NVIDIA nvCOMP, which could not be imported "
+            f"({err}); install 'xarray-gds[cuda13]' or 'xarray-gds[cuda12]'"
+        ) from err
+    return nvcomp
+
+
+def _state() -> tuple[Any, dict[str, Any]]:
+    """This thread's CUDA stream and nvCOMP codecs (a Codec is not thread-safe)."""
+    if not hasattr(_local, "codecs"):
+        cp = _device.cupy()
+        _local.stream = cp.cuda.Stream(non_blocking=True)
+        _local.codecs = {}
+    return _local.stream, _local.codecs
+
+
+def _codec(name: str) -> Any:
+    stream, codecs = _state()
+    if name not in codecs:
+        nvcomp = _nvcomp()
+        codecs[name] = nvcomp.Codec(
+            algorithm=ALGORITHMS[name],
+            bitstream_kind=nvcomp.BitstreamKind.RAW,
+            cuda_stream=stream.ptr,
+        )
+    return codecs[name]
+
+
+def pack(arrays: list[Any]) -> DeviceBatch:
+    """Pack device arrays (``None`` for missing chunks) into one aligned arena."""
+    cp = _device.cupy()
+    sizes = np.array([-1 if a is None else int(a.size) for a in arrays], dtype=np.int64)
+    offsets, total = pack_offsets(sizes, _ALIGN)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    for a, start in zip(arrays, offsets.tolist(), strict=True):
+        if a is not None and a.size:
+            arena[start : start + a.size] = cp.asarray(a).view(cp.uint8).reshape(-1)
+    return DeviceBatch(arena, offsets, sizes)
+
+
+def _peek(batch: DeviceBatch, offsets: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` bytes of each chunk, on the host (zero past a chunk's end)."""
+    cp = _device.cupy()
+    index = cp.asarray(offsets)[:, None] + cp.arange(n)[None, :]
+    index = cp.minimum(index, batch.arena.size - 1)
+    return cp.asnumpy(batch.arena[index])
+
+
+def _check_sizes(sizes: np.ndarray, keys: list[str], codec: str, minimum: int) -> None:
+    for size, key in zip(sizes.tolist(), keys, strict=True):
+        if size < minimum:
+            raise ChunkDecodeError(key, codec, f"{size} bytes is too short for a {codec} stream")
+
+
+def _zstd_content_size(head: np.ndarray) -> int | None:
+    """Frame content size from a zstd frame header, or None if the frame omits it."""
+    fhd = int(head[4])
+    fcs_flag = fhd >> 6
+    single = (fhd >> 5) & 1
+    did = (0, 1, 2, 4)[fhd & 3]
+    pos = 5 + (0 if single else 1) + did
+    width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if width == 0:
+        return None
+    value = int.from_bytes(bytes(head[pos : pos + width]), "little")
+    return value + 256 if width == 2 else value
+
+
+def _frame(
+    name: str,
+    batch: DeviceBatch,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    nbytes: int,
+    keys: list[str],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check stream headers; return offsets and sizes of the raw streams for nvCOMP."""
+    if name == "zstd":
+        _check_sizes(sizes, keys, name, 9)
+        heads = _peek(batch, offsets, _PEEK)
+        magic = heads[:, :4].copy().view("<u4")[:, 0]
+        for i, key in enumerate(keys):
+            if int(magic[i]) != _ZSTD_MAGIC:
+                raise ChunkDecodeError(key, name, "not a zstd frame (bad magic number)")
+            declared = _zstd_content_size(heads[i])
+            if declared is not None and declared != nbytes:
+                raise ChunkDecodeError(
+                    key, name, f"frame declares {declared} decoded bytes, expected {nbytes}"
+                )
+        return offsets, sizes
+    if name == "lz4":
+        _check_sizes(sizes, keys, name, 5)
+        prefix = _peek(batch, offsets, 4).view("<u4")[:, 0]
+        for i, key in enumerate(keys):
+            if int(prefix[i]) != nbytes:
+                raise ChunkDecodeError(
+                    key, name, f"size prefix says {int(prefix[i])} bytes, expected {nbytes}"
+                )
+        return offsets + 4, sizes - 4
+    if name == "zlib":
+        _check_sizes(sizes, keys, name, 7)
+        heads = _peek(batch, offsets, 2).astype(np.int64)
+        for i, key in enumerate(keys):
+            cmf, flg = int(heads[i, 0]), int(heads[i, 1])
+            if cmf & 0x0F != 8 or (cmf * 256 + flg) % 31 or flg & 0x20:
+                raise ChunkDecodeError(key, name, "bad zlib header")
+        return offsets + 2, sizes - 6
+    if name == "gzip":
+        _check_sizes(sizes, keys, name, 18)
+        heads = _peek(batch, offsets, 3)
+        for i, key in enumerate(keys):
+            if heads[i, 0] != 0x1F or heads[i, 1] != 0x8B or heads[i, 2] != 8:
+                raise ChunkDecodeError(key, name, "bad gzip header")
+        return offsets, sizes
+    raise ValueError(f"no GPU decoder for {name!r}")  # pragma: no cover - planned away
+
+
+def _aligned(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray) -> DeviceBatch:
+    """A batch whose streams all start on an aligned offset (copying those that do not)."""
+    if not np.any(offsets % _ALIGN):
+        return DeviceBatch(batch.arena, offsets, sizes)
+    cp = _device.cupy()
+    new_offsets, total = pack_offsets(sizes, _ALIGN)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    for src, dst, size in zip(offsets.tolist(), new_offsets.tolist(), sizes.tolist(), strict=True):
+        arena[dst : dst + size] = batch.arena[src : src + size]
+    return DeviceBatch(arena, new_offsets, sizes)
+
+
+def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: list[str]) -> Any:
+    """Decode chunks ``idx`` of ``batch`` into a ``(len(idx), nbytes)`` uint8 CuPy array."""
+    cp = _device.cupy()
+    nbytes = chain.nbytes
+    offsets = batch.offsets[idx]
+    sizes = batch.sizes[idx]
+    m = len(idx)
+    if chain.compressor is None:
+        out = cp.empty((m, nbytes), dtype=cp.uint8)
+        for j, (start, size) in enumerate(zip(offsets.tolist(), sizes.tolist(), strict=True)):
+            if size != nbytes:
+                raise ChunkDecodeError(
+                    keys[j], "bytes", f"chunk holds {size} bytes, expected {nbytes}"
+                )
+            out[j] = batch.arena[start : start + size]
+        return out
+    name = chain.compressor.name
+    offsets, sizes = _frame(name, batch, offsets, sizes, nbytes, keys)
+    src = _aligned(batch, offsets, sizes)
+    row = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    out = cp.empty((m, row), dtype=cp.uint8)
+    nvcomp = _nvcomp()
+    stream, _ = _state()
+    # nvCOMP runs on its own stream: make it wait for the reads and copies above
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    codec = _codec(name)
+    inputs = nvcomp.as_arrays(
+        [
+            src.arena[o : o + s]
+            for o, s in zip(src.offsets.tolist(), src.sizes.tolist(), strict=True)
+        ],
+        stream.ptr,
+    )
+    outputs = nvcomp.as_arrays([out[j, :nbytes] for j in range(m)], stream.ptr)
+    try:
+        result = codec.decode(inputs, out=outputs)
+        got = np.asarray(result.buffer_sizes, dtype=np.int64)
+    except RuntimeError as err:
+        stream.synchronize()
+        raise ChunkDecodeError(
+            keys[0] if m == 1 else f"{keys[0]} .. {keys[-1]} ({m} chunks)", name, str(err)
+        ) from err
+    stream.synchronize()
+    bad = np.flatnonzero(got != nbytes)
+    if bad.size:
+        j = int(bad[0])
+        raise ChunkDecodeError(keys[j], name, f"decoded to {int(got[j])} bytes, expected {nbytes}")
+    return cp.ascontiguousarray(out[:, :nbytes]) if row != nbytes else out

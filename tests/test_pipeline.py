@@ -1,0 +1,212 @@
+"""The batched read pipeline: plans, batching, filters, fallbacks and damaged chunks."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+from xarray_gds import pipeline
+from xarray_gds.codecs import DecodeChain, Unsupported, plan_chain
+from xarray_gds.codecs.filters import Undelta, Unshuffle
+from xarray_gds.errors import ChunkDecodeError
+
+from .conftest import STORE_CASES, to_numpy
+
+pytestmark = pytest.mark.filterwarnings("ignore::xarray.SerializationWarning")
+
+# (format, codec) -> expected plan of the t2m variable: "gpu", "host" (batched on the
+# host only) or "zarr" (not batched: zarr-python decodes it).
+EXPECTED_PLAN = {
+    (3, "zstd"): "gpu",
+    (3, "zstd-checksum"): "gpu",
+    (3, "gzip"): "gpu",
+    (3, "none"): "gpu",
+    (3, "blosc"): "zarr",
+    (3, "crc32c"): "host",
+    (3, "big-endian"): "gpu",
+    (3, "sharded"): "zarr",
+    (2, "zstd"): "gpu",
+    (2, "lz4"): "gpu",
+    (2, "zlib"): "gpu",
+    (2, "gzip"): "gpu",
+    (2, "blosc"): "zarr",
+    (2, "none"): "gpu",
+    (2, "shuffle-zstd"): "gpu",
+    (2, "delta-zlib"): "host",  # float32 Delta: CuPy's scan would round differently
+}
+
+
+def _plan(path: Path, name: str = "t2m") -> DecodeChain | Unsupported:
+    return plan_chain(zarr.open_array(path / name, mode="r").metadata)
+
+
+@pytest.mark.parametrize(("zarr_format", "codec"), STORE_CASES)
+def test_plan_per_codec(store_factory: Callable, zarr_format: int, codec: str) -> None:
+    plan = _plan(store_factory(zarr_format, codec))
+    want = EXPECTED_PLAN[(zarr_format, codec)]
+    if want == "zarr":
+        assert isinstance(plan, Unsupported)
+        assert plan.codecs and plan.reason
+    else:
+        assert isinstance(plan, DecodeChain)
+        assert plan.device_ready == (want == "gpu")
+        assert plan.chunk_shape == (4, 4, 5) and plan.dtype.itemsize == 4
+
+
+def test_integer_delta_is_device_ready(store_factory: Callable) -> None:
+    plan = _plan(store_factory(2, "delta-zlib"), "u10")  # stored as int16
+    assert isinstance(plan, DecodeChain) and plan.device_ready
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of the batched reads of t2m's chunks."""
+    calls: list[int] = []
+    real = pipeline._decode_and_scatter
+
+    def spy(chain: Any, batch: list, keys: list, *args: Any) -> Any:
+        if keys[0].startswith("t2m/"):
+            calls.append(len(batch))
+        return real(chain, batch, keys, *args)
+
+    monkeypatch.setattr(pipeline, "_decode_and_scatter", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("zarr_format", "codec"), STORE_CASES)
+def test_reads_take_the_planned_path(
+    monkeypatch: pytest.MonkeyPatch,
+    store_factory: Callable,
+    device: str,
+    zarr_format: int,
+    codec: str,
+) -> None:
+    path = store_factory(zarr_format, codec)
+    want = EXPECTED_PLAN[(zarr_format, codec)]
+    batched = want == "gpu" or (want == "host" and device == "cpu")
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(pipeline, "_warned", set())
+    ds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        values = ds.t2m.load()
+    host_warnings = [w for w in record if "decoded on the host" in str(w.message)]
+    assert bool(calls) == batched
+    if batched:
+        assert calls == [3 * 3 * 3]  # every chunk of t2m in one batch
+    if device == "cuda" and not batched:
+        assert len(host_warnings) == 1
+        assert "'t2m'" in str(host_warnings[0].message)
+    else:
+        assert not host_warnings
+    ref = xr.open_dataset(path, engine="zarr").t2m.load()
+    xr.testing.assert_identical(values.as_numpy(), ref)
+
+
+def test_bounded_batches(monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str) -> None:
+    """A read larger than the batch budget runs in several bounded batches."""
+    chunk_bytes = 4 * 4 * 5 * 4
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(2 * chunk_bytes))
+    decoded_rows: list[int] = []
+    real = pipeline._decode_host
+
+    def spy_host(chain: Any, chunks: list, keys: list) -> Any:
+        if keys[0].startswith("t2m/"):
+            decoded_rows.append(len(chunks))
+        return real(chain, chunks, keys)
+
+    monkeypatch.setattr(pipeline, "_decode_host", spy_host)
+    if device == "cuda":
+        from xarray_gds.codecs import nvcomp
+
+        real_dev = nvcomp.decode
+
+        def spy_dev(chain: Any, batch: Any, idx: list, keys: list) -> Any:
+            if keys[0].startswith("t2m/"):
+                decoded_rows.append(len(idx))
+            return real_dev(chain, batch, idx, keys)
+
+        monkeypatch.setattr(nvcomp, "decode", spy_dev)
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device)
+    got = gds.t2m.load()
+    assert decoded_rows and max(decoded_rows) <= 2
+    assert sum(decoded_rows) == 26  # 27 chunks, one never written (all NaN)
+    xr.testing.assert_identical(got.as_numpy(), xr.open_dataset(v3_store, engine="zarr").t2m)
+
+
+@pytest.mark.parametrize("elementsize", [1, 2, 4, 8])
+def test_unshuffle_matches_numcodecs(elementsize: int) -> None:
+    rng = np.random.default_rng(elementsize)
+    rows = [rng.integers(0, 256, size=64 * elementsize, dtype=np.uint8) for _ in range(3)]
+    codec = numcodecs.Shuffle(elementsize=elementsize)
+    encoded = np.stack([np.frombuffer(codec.encode(r), dtype=np.uint8) for r in rows])
+    got = Unshuffle(elementsize).apply(encoded, np)
+    np.testing.assert_array_equal(got, np.stack(rows))
+
+
+@pytest.mark.parametrize("dtype", ["i1", "u2", "i4", "i8", "f4", "f8"])
+def test_undelta_matches_numcodecs(dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    rows = [(rng.standard_normal(50) * 1000).astype(dtype) for _ in range(3)]
+    codec = numcodecs.Delta(dtype=dtype)
+    encoded = np.stack([np.asarray(codec.encode(r)).view(np.uint8) for r in rows])
+    got = Undelta(np.dtype(dtype)).apply(encoded, np)
+    want = np.stack([np.asarray(codec.decode(codec.encode(r))).view(np.uint8) for r in rows])
+    assert got.tobytes() == want.tobytes()
+
+
+# -- damaged stores ----------------------------------------------------------------
+DAMAGE = {
+    "truncated": lambda b: b[: len(b) // 2],
+    "empty": lambda b: b"",
+    "header": lambda b: b"\x00" * 8 + b[8:],
+    "extra-bytes": lambda b: b + b"\x13\x37" * 8,
+}
+DAMAGED_CODECS = [(3, "zstd"), (3, "gzip"), (3, "none"), (2, "lz4"), (2, "zlib"), (3, "crc32c")]
+
+
+def _chunk_file(path: Path, zarr_format: int) -> tuple[Path, str]:
+    key = "t2m/c/1/1/1" if zarr_format == 3 else "t2m/1.1.1"
+    return path / key, key
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize(("zarr_format", "codec"), DAMAGED_CODECS)
+def test_damaged_chunk_raises_and_next_read_works(
+    tmp_path: Path,
+    store_factory: Callable,
+    device: str,
+    zarr_format: int,
+    codec: str,
+    damage: str,
+) -> None:
+    if codec == "none" and damage == "header":
+        pytest.skip("an uncompressed chunk of the right size has no header to damage")
+    if codec == "zlib" and damage == "extra-bytes":
+        pytest.skip("zlib (and so zarr-python) ignores bytes after the end of the stream")
+    path = tmp_path / "damaged.zarr"
+    shutil.copytree(store_factory(zarr_format, codec), path)
+    chunk, key = _chunk_file(path, zarr_format)
+    chunk.write_bytes(DAMAGE[damage](chunk.read_bytes()))
+    ds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(Exception) as err:
+            ds.t2m.load()
+    if EXPECTED_PLAN[(zarr_format, codec)] == "gpu" or device == "cpu":
+        assert isinstance(err.value, ChunkDecodeError), err.value
+        assert key in str(err.value)
+        assert err.value.codec in str(err.value)
+    # the process (and the GPU) is still usable: other chunks and variables read fine
+    ref = xr.open_dataset(path, engine="zarr")
+    sel = dict(time=slice(0, 4))
+    xr.testing.assert_identical(to_numpy(ds.t2m.isel(sel)), ref.t2m.isel(sel).load())
+    xr.testing.assert_identical(to_numpy(ds.u10), ref.u10.load())
