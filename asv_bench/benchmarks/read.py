@@ -1,0 +1,74 @@
+"""asv benchmarks: open + load with engine="gds-zarr" against engine="zarr".
+
+Run from asv_bench/: ``asv run --python=same --quick``. Sizes come from
+``XARRAY_GDS_BENCH_GB`` (default 0.25; the H200 figures in docs/performance.md use
+2). GPU cases are skipped (NotImplementedError) where no GPU is usable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import ClassVar
+
+import xarray as xr
+
+from xarray_gds import bench
+from xarray_gds.device import cuda_status
+
+SIZE = float(os.environ.get("XARRAY_GDS_BENCH_GB", "0.25"))
+
+
+class _Store:
+    store_kwargs: ClassVar[dict] = {}
+    scale = 1.0
+    gpu = True
+
+    def setup_cache(self) -> str:
+        root = Path(tempfile.mkdtemp(prefix="xarray-gds-asv-"))
+        path = root / "data.zarr"
+        bench.make_store(path, int(SIZE * self.scale * 1e9), **self.store_kwargs)
+        return str(path)
+
+    def setup(self, path: str) -> None:
+        if self.gpu and not cuda_status()[0]:
+            raise NotImplementedError("no GPU")
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _ = xr.open_dataset(path, engine="zarr").t.values  # warm the page cache
+
+    def time_gds_zarr(self, path: str) -> None:
+        bench._load_gds(Path(path), "cuda" if self.gpu else "cpu")
+        bench._sync()
+
+    def time_zarr(self, path: str) -> None:
+        bench._load_zarr(Path(path), self.gpu)
+        bench._sync()
+
+
+class Zstd4MB(_Store):
+    store_kwargs: ClassVar[dict] = {"chunk_bytes": 4 << 20}
+
+    def time_raw_limit(self, path: str) -> None:
+        bench.raw_limit(Path(path))
+        bench._sync()
+
+
+class ZstdSharded256KiB(_Store):
+    store_kwargs: ClassVar[dict] = {"chunk_bytes": 256 << 10, "shard_bytes": 16 << 20}
+
+
+class SmallChunks(_Store):
+    store_kwargs: ClassVar[dict] = {"chunk_bytes": 1 << 10}
+    scale = 0.05
+
+
+class HostZstd4MB(_Store):
+    store_kwargs: ClassVar[dict] = {"chunk_bytes": 4 << 20}
+    gpu = False
+
+
+def teardown_cache(path: str) -> None:  # pragma: no cover - asv hook name
+    shutil.rmtree(Path(path).parent, ignore_errors=True)

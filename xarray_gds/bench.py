@@ -1,0 +1,251 @@
+"""Benchmarks behind ``xarray-gds bench``: ratios measured in one run.
+
+Each case writes its store once, then times open + load of the same data by the
+alternatives, best of ``repeat`` runs, and reports GB/s of decoded data and the ratio
+to ``engine="zarr"``. The page cache is warm for every contender alike (the store is
+read once before timing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+import zarr
+import zarr.codecs as zc
+
+from xarray_gds import device as _device
+
+__all__ = ["CASES", "Result", "make_store", "run"]
+
+
+@dataclass
+class Result:
+    """Timings of one case: seconds per contender, and the decoded size."""
+
+    case: str
+    nbytes: int
+    n_chunks: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def rate(self, name: str) -> float:
+        return self.nbytes / self.seconds[name] / 1e9
+
+    def ratio(self, name: str, base: str = "zarr") -> float:
+        return self.seconds[base] / self.seconds[name]
+
+
+def make_store(
+    path: Path,
+    nbytes: int,
+    chunk_bytes: int,
+    *,
+    zarr_format: int = 3,
+    shard_bytes: int | None = None,
+    compressor: Any = "zstd",
+) -> Path:
+    """Write a float32 (time, y, x) dataset of about ``nbytes`` with zstd chunks.
+
+    The field is smooth in space plus noise, quantized to 0.01, so it compresses
+    like real data (roughly 2-3x) rather than like zeros.
+    """
+    nx = 512
+    ny = max(1, min(512, chunk_bytes // (4 * nx)))
+    per_step = ny * nx * 4
+    steps_per_chunk = max(1, chunk_bytes // per_step)
+    ny_total = 1024 if ny >= 512 else ny * 8
+    nt = max(steps_per_chunk, nbytes // (ny_total * nx * 4))
+    nt = math.ceil(nt / steps_per_chunk) * steps_per_chunk
+    chunks = (steps_per_chunk, ny, nx)
+    enc: dict[str, Any] = {"chunks": chunks}
+    if zarr_format == 3:
+        enc["compressors"] = [zc.ZstdCodec(level=1)] if compressor == "zstd" else compressor
+    else:
+        import numcodecs
+
+        enc["compressors"] = [numcodecs.Zstd(level=1)] if compressor == "zstd" else compressor
+    if shard_bytes:
+        outer_t = max(
+            steps_per_chunk, shard_bytes // (ny * nx * 4) // steps_per_chunk * steps_per_chunk
+        )
+        enc["shards"] = (outer_t, ny, nx)
+        nt = math.ceil(nt / outer_t) * outer_t
+    rng = np.random.default_rng(0)
+    yy, xx = np.meshgrid(np.linspace(0, 6, ny_total), np.linspace(0, 6, nx), indexing="ij")
+    base = (np.sin(yy) * np.cos(xx) * 20 + 280).astype("f4")
+    block_t = max(1, min(nt, (256 << 20) // (ny_total * nx * 4)))
+    block_t = max(steps_per_chunk, block_t // steps_per_chunk * steps_per_chunk)
+    template = xr.Dataset(
+        {"t": (("time", "y", "x"), np.empty((0, ny_total, nx), "f4"))},
+    )
+    first = True
+    for start in range(0, nt, block_t):
+        n = min(block_t, nt - start)
+        noise = rng.standard_normal((n, ny_total, nx), dtype="f4")
+        data = np.round(base[None] + noise, 2)
+        ds = template.copy()
+        ds["t"] = (("time", "y", "x"), data)
+        if first:
+            ds.to_zarr(
+                path, mode="w", zarr_format=zarr_format, encoding={"t": enc}, consolidated=False
+            )
+            first = False
+        else:
+            ds.to_zarr(path, append_dim="time", consolidated=False)
+    zarr.consolidate_metadata(path)
+    return path
+
+
+def _time(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync() -> None:
+    ok, _ = _device.cuda_status()
+    if ok:
+        _device.cupy().cuda.runtime.deviceSynchronize()
+
+
+def _load_gds(path: Path, device: str) -> Any:
+    ds = xr.open_dataset(path, engine="gds-zarr", device=device, consolidated=True)
+    return ds["t"].data if device == "cpu" else ds["t"].variable.data
+
+
+def _load_zarr(path: Path, to_gpu: bool) -> Any:
+    ds = xr.open_dataset(path, engine="zarr", consolidated=True)
+    values = ds["t"].values
+    return _device.cupy().asarray(values) if to_gpu else values
+
+
+def raw_limit(path: Path) -> None:
+    """kvikio reads of every chunk into one arena, then one nvCOMP zstd batch call."""
+    from xarray_gds.codecs import nvcomp, plan_chain
+    from xarray_gds.store import read_files_device
+
+    arr = zarr.open_array(path / "t", mode="r")
+    chain = plan_chain(arr.metadata)
+    files = sorted(p for p in (path / "t").rglob("*") if p.is_file() and p.name != "zarr.json")
+    batch = read_files_device(files)
+    nvcomp.decode(chain, batch, list(range(len(files))), [str(f) for f in files])  # type: ignore[arg-type]
+
+
+def _case(name: str, path: Path, repeat: int, contenders: dict[str, Callable[[], Any]]) -> Result:
+    arr = zarr.open_array(path / "t", mode="r")
+    nbytes = arr.nbytes
+    result = Result(name, int(nbytes), int(arr.nchunks))
+    for label, fn in contenders.items():
+        fn()  # warm up: page cache, imports, CUDA context, nvCOMP handles
+        result.seconds[label] = _time(fn, repeat, _sync)
+    return result
+
+
+def run(
+    workdir: Path | None = None,
+    size_gb: float = 2.0,
+    repeat: int = 3,
+    cases: list[str] | None = None,
+) -> list[Result]:
+    """Run the benchmark cases; see ``CASES`` for names."""
+    cuda, _ = _device.cuda_status()
+    tmp = Path(tempfile.mkdtemp(prefix="xarray-gds-bench-", dir=workdir))
+    results: list[Result] = []
+    try:
+        for name in cases or list(CASES):
+            spec = CASES[name]
+            if spec["gpu"] and not cuda:
+                continue
+            path = make_store(
+                tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"]
+            )
+            contenders = spec["contenders"](path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                results.append(_case(name, path, repeat, contenders))
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "zstd-4MB": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": lambda p: {
+            "gds-zarr": lambda: _load_gds(p, "cuda"),
+            "zarr": lambda: _load_zarr(p, True),
+            "raw-limit": lambda: raw_limit(p),
+        },
+    },
+    "zstd-sharded-256KiB": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 256 << 10, "shard_bytes": 16 << 20},
+        "contenders": lambda p: {
+            "gds-zarr": lambda: _load_gds(p, "cuda"),
+            "zarr": lambda: _load_zarr(p, True),
+        },
+    },
+    "small-chunks": {
+        "gpu": True,
+        "scale": 0.05,
+        "store": {"chunk_bytes": 1 << 10},
+        "contenders": lambda p: {
+            "gds-zarr": lambda: _load_gds(p, "cuda"),
+            "zarr": lambda: _load_zarr(p, True),
+        },
+    },
+    "host-zstd-4MB": {
+        "gpu": False,
+        "scale": 0.25,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": lambda p: {
+            "gds-zarr": lambda: _load_gds(p, "cpu"),
+            "zarr": lambda: _load_zarr(p, False),
+        },
+    },
+}
+
+
+def format_table(results: list[Result]) -> str:
+    """Results as a Markdown table (GB/s of decoded data, ratio to engine="zarr")."""
+    lines = [
+        "| case | size | chunks | contender | seconds | GB/s | vs zarr |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name, sec in r.seconds.items():
+            lines.append(
+                f"| {r.case} | {r.nbytes / 1e9:.2f} GB | {r.n_chunks} | {name} | {sec:.3f} | "
+                f"{r.rate(name):.2f} | {r.ratio(name):.2f}x |"
+            )
+        if r.case == "small-chunks" and "gds-zarr" in r.seconds:
+            per_chunk = r.seconds["gds-zarr"] / r.n_chunks * 1e6
+            lines.append(f"| {r.case} | | | gds-zarr per chunk | {per_chunk:.1f} us | | |")
+    return "\n".join(lines)
+
+
+def dump(results: list[Result], path: Path) -> None:
+    """Write results as JSON (for docs/performance.md and later comparisons)."""
+    env = {"cuda": _device.cuda_status()[0], "cpus": os.cpu_count()}
+    path.write_text(json.dumps({"env": env, "results": [asdict(r) for r in results]}, indent=2))
