@@ -7,6 +7,7 @@ and a missing one raises :class:`ImportError` naming the extra to install.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -45,8 +46,26 @@ def cupy() -> ModuleType:
 
 
 def kvikio() -> ModuleType:
-    """Return the ``kvikio`` module, importing it on first use."""
-    return _import("kvikio", "to read files into GPU memory")
+    """Return the ``kvikio`` module, importing and configuring it on first use.
+
+    kvikio's thread pool defaults to one thread, which caps compat-mode reads at a
+    few GB/s; unless ``KVIKIO_NTHREADS`` is set, xarray-gds uses up to 16 threads.
+    """
+    module = _import("kvikio", "to read files into GPU memory")
+    _configure_kvikio(module)
+    return module
+
+
+@functools.cache
+def _configure_kvikio(module: ModuleType) -> None:
+    if "KVIKIO_NTHREADS" in os.environ:
+        return
+    threads = min(16, os.cpu_count() or 1)
+    try:
+        module.defaults.set("num_threads", threads)
+    except (AttributeError, TypeError):  # kvikio < 25: the older setter
+        with contextlib.suppress(AttributeError):
+            module.defaults.num_threads_reset(threads)
 
 
 @functools.cache

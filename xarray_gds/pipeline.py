@@ -38,7 +38,11 @@ _warned: set[str] = set()
 
 
 def batch_bytes() -> int:
-    """Most decoded bytes held at once by one read (``XARRAY_GDS_BATCH_BYTES``, 1 GiB)."""
+    """Decoded bytes per batch of a read (``XARRAY_GDS_BATCH_BYTES``, default 1 GiB).
+
+    A read of more chunks than fit runs batch after batch, each fetched, decoded and
+    scattered before the next, so its working set stays bounded whatever its size.
+    """
     return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", 1 << 30))
 
 
@@ -139,22 +143,18 @@ class GdsCodecPipeline(CodecPipeline):
             if on_device and chain is not None:
                 self._warn_host_decode(batch[0][0].path, chain)
             return await self._fallback.read(batch, out, drop_axes)
-        keys = [bg.path for bg, *_ in batch]
-        store = batch[0][0].store
-        if isinstance(store, GdsStore):
-            dev = "cuda" if on_device else "cpu"
-            fetched: Any = await asyncio.to_thread(store.read_chunks, keys, dev)
-        else:
-            proto = _device.buffer_prototype("cuda" if on_device else "cpu")
-            bufs = await asyncio.gather(*(bg.get(prototype=proto) for bg, *_ in batch))
-            fetched = [None if b is None else b.as_array_like() for b in bufs]
-            if on_device:
-                from xarray_gds.codecs.nvcomp import pack
-
-                fetched = pack(fetched)
-        return await asyncio.to_thread(
-            _decode_and_scatter, chain, batch, keys, fetched, out, drop_axes, on_device
-        )
+        per_batch = max(1, _budget(on_device) // max(1, chain.nbytes))
+        results: list[GetResult] = []
+        for start in range(0, len(batch), per_batch):
+            part = batch[start : start + per_batch]
+            keys = [bg.path for bg, *_ in part]
+            fetched = await _fetch(part, keys, on_device)
+            results.extend(
+                await asyncio.to_thread(
+                    _decode_and_scatter, chain, part, keys, fetched, out, drop_axes, on_device
+                )
+            )
+        return tuple(results)
 
     def _warn_host_decode(self, key: str, chain: DecodeChain | Unsupported) -> None:
         name = _array_name(key, self._chunk_key_parts)
@@ -172,6 +172,32 @@ class GdsCodecPipeline(CodecPipeline):
 
 
 register_pipeline(GdsCodecPipeline)
+
+
+def _budget(on_device: bool) -> int:
+    """Decoded bytes per batch: the configured budget, and on the GPU at most a
+    quarter of the free device memory (the batch's compressed and decoded copies
+    live beside the output)."""
+    budget = batch_bytes()
+    if on_device:
+        free, _ = _device.cupy().cuda.runtime.memGetInfo()
+        budget = min(budget, max(1, free // 4))
+    return budget
+
+
+async def _fetch(part: list[Any], keys: list[str], on_device: bool) -> Any:
+    """Encoded bytes of the chunks of ``part``: a DeviceBatch on the GPU, else a list."""
+    store = part[0][0].store
+    if isinstance(store, GdsStore):
+        return await asyncio.to_thread(store.read_chunks, keys, "cuda" if on_device else "cpu")
+    proto = _device.buffer_prototype("cuda" if on_device else "cpu")
+    bufs = await asyncio.gather(*(bg.get(prototype=proto) for bg, *_ in part))
+    fetched = [None if b is None else b.as_array_like() for b in bufs]
+    if on_device:
+        from xarray_gds.codecs.nvcomp import pack
+
+        return pack(fetched)
+    return fetched
 
 
 def _decode_host(chain: DecodeChain, chunks: list[Any], keys: list[str]) -> Any:
@@ -199,24 +225,20 @@ def _decode_and_scatter(
     else:
         present = [i for i, data in enumerate(fetched) if data is not None]
     target = out.as_ndarray_like()
-    per_batch = max(1, batch_bytes() // max(1, chain.nbytes))
-    for start in range(0, len(present), per_batch):
-        idx = present[start : start + per_batch]
-        sub_keys = [keys[i] for i in idx]
+    if present:
         if on_device:
-            data = nvcomp.decode(chain, fetched, idx, sub_keys)
+            data = nvcomp.decode(chain, fetched, present, [keys[i] for i in present])
         else:
-            data = _decode_host(chain, [fetched[i] for i in idx], sub_keys)
+            data = _decode_host(chain, [fetched[i] for i in present], [keys[i] for i in present])
         for f in chain.filters:
             data = f.apply(data, xp)
         chunks = chain.finish(data, xp)
-        for j, i in enumerate(idx):
+        for j, i in enumerate(present):
             _, _, chunk_sel, out_sel, _ = batch[i]
             value = chunks[j][chunk_sel]
             if drop_axes:
                 value = value.squeeze(axis=drop_axes)
             target[out_sel] = value
-        del data, chunks
     present_set = set(present)
     results: list[GetResult] = []
     for i, (_, spec, _, out_sel, _) in enumerate(batch):
