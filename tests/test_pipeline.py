@@ -15,7 +15,7 @@ import xarray as xr
 import zarr
 
 from xarray_gds import pipeline
-from xarray_gds.codecs import DecodeChain, Unsupported, plan_chain
+from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, plan_chain
 from xarray_gds.codecs.filters import Undelta, Unshuffle
 from xarray_gds.errors import ChunkDecodeError
 
@@ -33,7 +33,7 @@ EXPECTED_PLAN = {
     (3, "blosc"): "zarr",
     (3, "crc32c"): "host",
     (3, "big-endian"): "gpu",
-    (3, "sharded"): "zarr",
+    (3, "sharded"): "gpu",
     (2, "zstd"): "gpu",
     (2, "lz4"): "gpu",
     (2, "zlib"): "gpu",
@@ -56,6 +56,10 @@ def test_plan_per_codec(store_factory: Callable, zarr_format: int, codec: str) -
     if want == "zarr":
         assert isinstance(plan, Unsupported)
         assert plan.codecs and plan.reason
+    elif codec == "sharded":
+        assert isinstance(plan, ShardChain) and plan.device_ready
+        assert plan.shard_shape == (4, 4, 5) and plan.grid == (2, 2, 5)
+        assert plan.index_crc32c and plan.index_at_end
     else:
         assert isinstance(plan, DecodeChain)
         assert plan.device_ready == (want == "gpu")
@@ -77,7 +81,15 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(len(batch))
         return real(chain, batch, keys, *args)
 
+    real_shards = pipeline._shards_sync
+
+    def spy_shards(chain: Any, part: list, *args: Any) -> Any:
+        if part[0][0].path.startswith("t2m/"):
+            calls.append(len(part))
+        return real_shards(chain, part, *args)
+
     monkeypatch.setattr(pipeline, "_decode_and_scatter", spy)
+    monkeypatch.setattr(pipeline, "_shards_sync", spy_shards)
     return calls
 
 
@@ -210,3 +222,35 @@ def test_damaged_chunk_raises_and_next_read_works(
     sel = dict(time=slice(0, 4))
     xr.testing.assert_identical(to_numpy(ds.t2m.isel(sel)), ref.t2m.isel(sel).load())
     xr.testing.assert_identical(to_numpy(ds.u10), ref.u10.load())
+
+
+def test_sharded_partial_reads_touch_only_needed_inner_chunks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, device: str
+) -> None:
+    path = tmp_path / "sharded.zarr"
+    data = np.arange(16 * 16, dtype="f8").reshape(16, 16)
+    data[0:4, 4:8] = np.nan  # one inner chunk of fill values: left out of its shard
+    ds = xr.Dataset({"v": (("y", "x"), data)})
+    ds.to_zarr(path, zarr_format=3, encoding={"v": {"chunks": (4, 4), "shards": (8, 8)}})
+    ranges: list[tuple[str, int]] = []
+
+    from xarray_gds import store as store_mod
+
+    for name in ("read_ranges_host", "read_ranges_device"):
+        real = getattr(store_mod, name)
+
+        def spy(paths: list, starts: Any, sizes: Any, _real: Any = real) -> Any:
+            ranges.extend((p.name, int(n)) for p, n in zip(paths, sizes, strict=True))
+            return _real(paths, starts, sizes)
+
+        monkeypatch.setattr(pipeline, name, spy)
+    gds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    ref = xr.open_dataset(path, engine="zarr")
+    one = gds.v.isel(y=9, x=10).load()
+    assert len(ranges) == 1  # one inner chunk of one shard, by byte range
+    xr.testing.assert_identical(one.as_numpy(), ref.v.isel(y=9, x=10).load())
+    ranges.clear()
+    block = gds.v.isel(y=slice(0, 8), x=slice(0, 8)).load()
+    assert len(ranges) == 3  # four inner chunks, one of them never written
+    xr.testing.assert_identical(block.as_numpy(), ref.v.isel(y=slice(0, 8), x=slice(0, 8)))
+    xr.testing.assert_identical(to_numpy(gds), ref.load())

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Self
 
+import numpy as np
 import zarr
 from zarr.abc.codec import CodecPipeline, GetResult
+from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.array import create_codec_pipeline
 from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
@@ -27,8 +30,9 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.registry import register_pipeline
 
 from xarray_gds import device as _device
-from xarray_gds.codecs import DecodeChain, Unsupported, host, plan_chain
-from xarray_gds.store import GdsStore
+from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
+from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.store import GdsStore, read_ranges_device, read_ranges_host
 
 __all__ = ["GdsCodecPipeline", "batch_bytes", "use_gds_pipeline"]
 
@@ -74,7 +78,7 @@ class GdsCodecPipeline(CodecPipeline):
     def __init__(
         self,
         fallback: CodecPipeline,
-        chain: DecodeChain | Unsupported | None = None,
+        chain: DecodeChain | ShardChain | Unsupported | None = None,
         chunk_key_parts: int = 1,
     ) -> None:
         self._fallback = fallback
@@ -85,7 +89,7 @@ class GdsCodecPipeline(CodecPipeline):
         return f"GdsCodecPipeline(chain={self._chain!r})"
 
     @property
-    def chain(self) -> DecodeChain | Unsupported | None:
+    def chain(self) -> DecodeChain | ShardChain | Unsupported | None:
         """The batched decode plan of this array."""
         return self._chain
 
@@ -139,10 +143,14 @@ class GdsCodecPipeline(CodecPipeline):
             return ()
         chain = self._chain
         on_device = not isinstance(out, cpu.NDBuffer)
-        if not isinstance(chain, DecodeChain) or (on_device and not chain.device_ready):
+        planned = isinstance(chain, DecodeChain | ShardChain)
+        if not planned or (on_device and not chain.device_ready):  # type: ignore[union-attr]
             if on_device and chain is not None:
                 self._warn_host_decode(batch[0][0].path, chain)
             return await self._fallback.read(batch, out, drop_axes)
+        if isinstance(chain, ShardChain):
+            return await _read_shards(chain, batch, out, drop_axes, on_device)
+        assert isinstance(chain, DecodeChain)
         per_batch = max(1, _budget(on_device) // max(1, chain.nbytes))
         results: list[GetResult] = []
         for start in range(0, len(batch), per_batch):
@@ -156,7 +164,7 @@ class GdsCodecPipeline(CodecPipeline):
             )
         return tuple(results)
 
-    def _warn_host_decode(self, key: str, chain: DecodeChain | Unsupported) -> None:
+    def _warn_host_decode(self, key: str, chain: Any) -> None:
         name = _array_name(key, self._chunk_key_parts)
         if name in _warned:
             return
@@ -198,6 +206,179 @@ async def _fetch(part: list[Any], keys: list[str], on_device: bool) -> Any:
 
         return pack(fetched)
     return fetched
+
+
+def _touched(sel: Any, size: int, chunk: int) -> np.ndarray:
+    """Indices of the inner chunks (of length ``chunk``) that ``sel`` reads from."""
+    if isinstance(sel, slice):
+        idx = np.arange(*sel.indices(size))
+    else:
+        idx = np.asarray(sel)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+    return np.unique(idx.reshape(-1) // chunk)
+
+
+async def _shard_index(chain: ShardChain, byte_getter: Any) -> np.ndarray | None:
+    """The (offset, nbytes) table of a shard, shaped like its inner chunk grid."""
+    n = chain.index_nbytes
+    request = SuffixByteRequest(n) if chain.index_at_end else RangeByteRequest(0, n)
+    buf = await byte_getter.get(prototype=cpu.buffer_prototype, byte_range=request)
+    if buf is None:
+        return None
+    raw = buf.as_numpy_array().view(np.uint8)
+    key = byte_getter.path
+    if raw.size != n:
+        raise ChunkDecodeError(key, "sharding_indexed", f"index of {raw.size} bytes, expected {n}")
+    if chain.index_crc32c:
+        raw = host.strip_crc32c([raw], [f"{key} (shard index)"])[0]
+    return raw.view("<u8").reshape((*chain.grid, 2))
+
+
+async def _read_shards(
+    chain: ShardChain, batch: list[Any], out: Any, drop_axes: tuple[int, ...], on_device: bool
+) -> tuple[GetResult, ...]:
+    """Read shards: indexes on the host, then the touched inner chunks of every shard by
+    byte range, all decoded in one batch and assembled shard by shard."""
+    per_batch = max(1, _budget(on_device) // max(1, chain.nbytes))
+    results: list[GetResult] = []
+    for start in range(0, len(batch), per_batch):
+        part = batch[start : start + per_batch]
+        indexes = await asyncio.gather(*(_shard_index(chain, bg) for bg, *_ in part))
+        plan, starts, sizes, keys = _shard_plan(chain, part, indexes)
+        fetched: Any = None
+        if plan and not isinstance(part[0][0].store, GdsStore):
+            fetched = await _get_ranges(part, plan, starts, sizes, on_device)
+        planned = (plan, starts, sizes, keys, fetched)
+        results.extend(
+            await asyncio.to_thread(
+                _shards_sync, chain, part, indexes, planned, out, drop_axes, on_device
+            )
+        )
+    return tuple(results)
+
+
+def _shard_plan(
+    chain: ShardChain, part: list[Any], indexes: list[np.ndarray | None]
+) -> tuple[list[tuple[int, int]], list[int], list[int], list[str]]:
+    """The inner chunks to read: (shard, flat inner index), file offsets, sizes, keys."""
+    inner = chain.inner
+    grid = chain.grid
+    missing = np.iinfo(np.uint64).max
+    plan: list[tuple[int, int]] = []
+    starts: list[int] = []
+    sizes: list[int] = []
+    keys: list[str] = []
+    for s, ((bg, _, chunk_sel, _, _), index) in enumerate(zip(part, indexes, strict=True)):
+        if index is None:
+            continue
+        axes = [
+            _touched(sel, n, c)
+            for sel, n, c in zip(chunk_sel, chain.shard_shape, inner.chunk_shape, strict=True)
+        ]
+        flat = np.ravel_multi_index(np.ix_(*axes), grid).reshape(-1)
+        table = index.reshape(-1, 2)
+        for f in flat.tolist():
+            offset, nbytes = (int(v) for v in table[f])
+            if offset == missing and nbytes == missing:
+                continue
+            plan.append((s, f))
+            starts.append(offset)
+            sizes.append(nbytes)
+            coords = tuple(int(i) for i in np.unravel_index(f, grid))
+            keys.append(f"{bg.path} (inner chunk {coords})")
+    return plan, starts, sizes, keys
+
+
+def _shards_sync(
+    chain: ShardChain,
+    part: list[Any],
+    indexes: list[np.ndarray | None],
+    planned: tuple[list[tuple[int, int]], list[int], list[int], list[str], Any],
+    out: Any,
+    drop_axes: tuple[int, ...],
+    on_device: bool,
+) -> list[GetResult]:
+    xp = _device.array_module("cuda" if on_device else "cpu")
+    inner = chain.inner
+    grid = chain.grid
+    plan, starts, sizes, keys, fetched = planned
+    # fetch (GdsStore) and decode every needed inner chunk of these shards at once
+    decoded: Any = None
+    if plan:
+        store = part[0][0].store
+        if isinstance(store, GdsStore):
+            paths = [store.resolve(part[s][0].path) for s, _ in plan]
+            starts_np = np.asarray(starts, dtype=np.int64)
+            sizes_np = np.asarray(sizes, dtype=np.int64)
+            reader = read_ranges_device if on_device else read_ranges_host
+            fetched = reader(paths, starts_np, sizes_np)
+        if on_device:
+            from xarray_gds.codecs import nvcomp
+
+            if not isinstance(store, GdsStore):
+                fetched = nvcomp.pack(fetched)
+            data = nvcomp.decode(inner, fetched, list(range(len(plan))), keys)
+        else:
+            data = _decode_host(inner, fetched, keys)
+        for flt in inner.filters:
+            data = flt.apply(data, xp)
+        decoded = inner.finish(data, xp)
+    # assemble each shard, then scatter the selection into the output
+    target = out.as_ndarray_like()
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for j, (s, f) in enumerate(plan):
+        rows.setdefault(s, []).append((f, j))
+    n_inner = math.prod(grid)
+    ndim = len(grid)
+    interleave = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
+    results: list[GetResult] = []
+    for s, (_, spec, chunk_sel, out_sel, _) in enumerate(part):
+        if indexes[s] is None:
+            target[out_sel] = fill_value_or_default(spec)
+            results.append(GetResult(status="missing"))
+            continue
+        have = sorted(rows.get(s, []))
+        if len(have) == n_inner:
+            # every inner chunk present: one reshape/transpose builds the shard
+            js = [j for _, j in have]
+            tiles = decoded[js].reshape((*grid, *inner.chunk_shape))
+            shard = tiles.transpose(interleave).reshape(chain.shard_shape)
+        else:
+            dtype = inner.dtype.newbyteorder("=")
+            shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
+            for f, j in have:
+                g = np.unravel_index(f, grid)
+                region = tuple(
+                    slice(int(i) * c, (int(i) + 1) * c)
+                    for i, c in zip(g, inner.chunk_shape, strict=True)
+                )
+                shard[region] = decoded[j]
+        value = shard[chunk_sel]
+        if drop_axes:
+            value = value.squeeze(axis=drop_axes)
+        target[out_sel] = value
+        results.append(GetResult(status="present"))
+    return results
+
+
+async def _get_ranges(
+    part: list[Any],
+    plan: list[tuple[int, int]],
+    starts: list[int],
+    sizes: list[int],
+    on_device: bool,
+) -> list[Any]:
+    """Byte ranges through the store's own API (stores other than GdsStore)."""
+    proto = _device.buffer_prototype("cuda" if on_device else "cpu")
+
+    async def one(k: int) -> Any:
+        bg = part[plan[k][0]][0]
+        request = RangeByteRequest(starts[k], starts[k] + sizes[k])
+        buf = await bg.get(prototype=proto, byte_range=request)
+        return None if buf is None else buf.as_array_like()
+
+    return list(await asyncio.gather(*(one(k) for k in range(len(plan)))))
 
 
 def _decode_host(chain: DecodeChain, chunks: list[Any], keys: list[str]) -> Any:

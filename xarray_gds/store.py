@@ -134,28 +134,63 @@ def pack_offsets(sizes: np.ndarray, align: int = 8) -> tuple[np.ndarray, int]:
 
 def read_files_device(paths: list[Path]) -> DeviceBatch:
     """Read whole files into one device arena with kvikio, all reads in flight at once."""
+    sizes = _sizes(paths)
+    return read_ranges_device(paths, np.zeros(len(paths), dtype=np.int64), sizes)
+
+
+def read_ranges_device(paths: list[Path], starts: np.ndarray, sizes: np.ndarray) -> DeviceBatch:
+    """Read ``sizes[i]`` bytes at ``starts[i]`` of ``paths[i]`` into one device arena.
+
+    Every read is issued before any is waited on (kvikio's thread pool runs them), and
+    each file is opened once however many ranges come from it. Ranges with a negative
+    size are missing and left out.
+    """
     cp = _device.cupy()
     kvikio = _device.kvikio()
-    sizes = _sizes(paths)
     offsets, total = pack_offsets(sizes)
     arena = cp.empty(max(total, 1), dtype=cp.uint8)
-    handles = []
+    handles: dict[Path, Any] = {}
     try:
         futures = []
-        for path, start, size in zip(paths, offsets.tolist(), sizes.tolist(), strict=True):
+        for path, at, start, size in zip(
+            paths, starts.tolist(), offsets.tolist(), sizes.tolist(), strict=True
+        ):
             if size <= 0:
                 continue
-            f = kvikio.CuFile(path, "r")
-            handles.append(f)
-            futures.append((path, size, f.pread(arena[start : start + size], size, 0)))
+            f = handles.get(path)
+            if f is None:
+                f = handles[path] = kvikio.CuFile(path, "r")
+            futures.append((path, size, f.pread(arena[start : start + size], size, at)))
         for path, size, future in futures:
             got = future.get()
             if got != size:
-                raise OSError(f"short read from {path}: got {got} of {size} bytes")
+                raise OSError(
+                    f"short read from {path}: got {got} of {size} bytes; the file is "
+                    "truncated or changed while it was read"
+                )
     finally:
-        for f in handles:
+        for f in handles.values():
             f.close()
     return DeviceBatch(arena, offsets, sizes)
+
+
+def read_ranges_host(
+    paths: list[Path], starts: np.ndarray, sizes: np.ndarray
+) -> list[np.ndarray | None]:
+    """Host counterpart of :func:`read_ranges_device`: a uint8 array per range."""
+    from xarray_gds.codecs.host import _pool
+
+    def one(i: int) -> np.ndarray | None:
+        size = int(sizes[i])
+        if size < 0:
+            return None
+        with open(paths[i], "rb") as f:
+            data = os.pread(f.fileno(), size, int(starts[i]))
+        if len(data) != size:
+            raise OSError(f"short read from {paths[i]}: got {len(data)} of {size} bytes")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    return list(_pool().map(one, range(len(paths))))
 
 
 class GdsStore(LocalStore):

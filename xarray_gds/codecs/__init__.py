@@ -21,7 +21,7 @@ from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
 
 from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
 
-__all__ = ["Compressor", "DecodeChain", "Unsupported", "codec_name", "plan_chain"]
+__all__ = ["Compressor", "DecodeChain", "ShardChain", "Unsupported", "codec_name", "plan_chain"]
 
 #: Compression formats with a batched decoder on both the host and the device.
 COMPRESSORS = ("zstd", "gzip", "zlib", "lz4")
@@ -111,6 +111,49 @@ class DecodeChain:
         return values
 
 
+@dataclass(frozen=True)
+class ShardChain:
+    """How to decode a sharded array (v3 ``sharding_indexed``).
+
+    Attributes
+    ----------
+    shard_shape : tuple of int
+        Shape of a shard (the array's chunk grid).
+    inner : DecodeChain
+        Decode chain of the inner chunks.
+    index_crc32c : bool
+        The shard index ends with a CRC-32C.
+    index_at_end : bool
+        The index sits at the end of the shard (else at its start).
+    codecs : tuple of str
+        Codec names, for messages.
+    """
+
+    shard_shape: tuple[int, ...]
+    inner: DecodeChain
+    index_crc32c: bool
+    index_at_end: bool
+    codecs: tuple[str, ...]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Inner chunks per shard along each axis."""
+        return tuple(s // c for s, c in zip(self.shard_shape, self.inner.chunk_shape, strict=True))
+
+    @property
+    def index_nbytes(self) -> int:
+        return math.prod(self.grid) * 16 + (4 if self.index_crc32c else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Decoded size of one shard in bytes."""
+        return math.prod(self.shard_shape) * self.inner.dtype.itemsize
+
+    @property
+    def device_ready(self) -> bool:
+        return self.inner.device_ready
+
+
 def codec_name(codec: Any) -> str:
     """A short name for a zarr v3 codec or numcodecs codec."""
     if hasattr(codec, "codec_id"):
@@ -133,15 +176,45 @@ def _numcodecs_compressor(codec: Any) -> Compressor | None:
     return None
 
 
-def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain | Unsupported:
-    names = tuple(codec_name(c) for c in meta.codecs)
+def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> Any:
+    codecs = tuple(meta.codecs)
+    if len(codecs) == 1 and isinstance(codecs[0], zc.ShardingCodec):
+        return _plan_shards(codecs[0], meta, chunk_shape)
+    return _plan_v3_codecs(codecs, meta, chunk_shape)
+
+
+def _plan_shards(
+    sharding: Any, meta: ArrayV3Metadata, shard_shape: tuple[int, ...]
+) -> ShardChain | Unsupported:
+    names = ("sharding_indexed", *(codec_name(c) for c in sharding.codecs))
+    inner_shape = tuple(sharding.chunk_shape)
+    if any(s % c for s, c in zip(shard_shape, inner_shape, strict=True)):
+        return Unsupported(names, "inner chunks do not tile the shard")
+    inner = _plan_v3_codecs(tuple(sharding.codecs), meta, inner_shape)
+    if not isinstance(inner, DecodeChain):
+        return Unsupported(names, inner.reason)
+    index = tuple(sharding.index_codecs)
+    little = isinstance(index[0], zc.BytesCodec) and str(
+        getattr(index[0].endian, "value", index[0].endian)
+    ) in ("little", "None")
+    crc = len(index) == 2 and isinstance(index[1], zc.Crc32cCodec)
+    if not little or len(index) not in (1, 2) or (len(index) == 2 and not crc):
+        return Unsupported(names, "shard index codecs other than bytes(+crc32c)")
+    location = str(getattr(sharding.index_location, "value", sharding.index_location))
+    return ShardChain(shard_shape, inner, crc, location == "end", names)
+
+
+def _plan_v3_codecs(
+    codecs: tuple[Any, ...], meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]
+) -> DecodeChain | Unsupported:
+    names = tuple(codec_name(c) for c in codecs)
     ndim = len(chunk_shape)
     order = tuple(range(ndim))
     endian_big = False
     crc = False
     compressor: Compressor | None = None
     seen_bytes = False
-    for codec in meta.codecs:
+    for codec in codecs:
         if isinstance(codec, zc.TransposeCodec) and not seen_bytes:
             order = tuple(order[i] for i in codec.order)
         elif isinstance(codec, zc.BytesCodec) and not seen_bytes:
@@ -192,7 +265,7 @@ def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain
     return DecodeChain(chunk_shape, dtype, False, compressor, tuple(planned), order, names)
 
 
-def plan_chain(metadata: Any) -> DecodeChain | Unsupported:
+def plan_chain(metadata: Any) -> DecodeChain | ShardChain | Unsupported:
     """Plan the batched decode of an array from its zarr metadata.
 
     Parameters
@@ -202,7 +275,7 @@ def plan_chain(metadata: Any) -> DecodeChain | Unsupported:
 
     Returns
     -------
-    DecodeChain or Unsupported
+    DecodeChain, ShardChain or Unsupported
     """
     if isinstance(metadata, ArrayV3Metadata):
         grid = metadata.chunk_grid
