@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import zarr.codecs as zc
 
 import xarray_gds
 from xarray_gds import cli
+from xarray_gds.codecs import plan_chain
 
 
 def sections(text: str) -> dict[str, str]:
@@ -187,7 +189,7 @@ def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert field(t2m, "dims") == "(time, lat, lon)"
     assert field(t2m, "dtype") == "float32"
     assert "shards" not in t2m
-    assert field(t2m, "filter") == "shuffle(elementsize=4) | host (zarr-python)"
+    assert field(t2m, "filter") == "shuffle(elementsize=4) | GPU (batched)"
     assert field(t2m, "compressor").startswith("zstd(level=5")
     assert field(t2m, "placement").startswith("device")
     assert field(blocks["/time"], "placement") == "host (index coordinate)"
@@ -276,12 +278,26 @@ def test_info_on_every_codec_case(
 
 
 @pytest.mark.parametrize(
-    "codec",
-    [zc.ZstdCodec(), zc.BytesCodec(), zc.Crc32cCodec(), numcodecs.Zstd(), numcodecs.Blosc()],
-    ids=repr,
+    ("codec", "where"),
+    [
+        ("zstd", "GPU (batched)"),
+        ("sharded", "GPU (batched)"),
+        ("crc32c", "host (batched)"),
+        ("blosc", "host (zarr-python)"),
+    ],
 )
-def test_every_codec_decodes_on_the_host_for_now(codec: Any) -> None:
-    assert cli.decode_path(codec) == "host (zarr-python)"
+def test_decode_route_follows_the_plan(
+    store_factory: Any, codec: str, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = store_factory(3, codec)
+    plan = plan_chain(zarr.open_array(path / "t2m", mode="r").metadata)
+    assert cli.decode_path(zc.ZstdCodec(), plan) == where
+    assert cli.main(["info", str(path)]) == 0
+    t2m = sections(capsys.readouterr().out)["/t2m"]
+    assert where in t2m
+    route = field(t2m, "decode")
+    assert route.startswith("batched" if where != "host (zarr-python)" else "zarr-python")
+    assert ("nvCOMP on the GPU" in route) == (where == "GPU (batched)")
 
 
 def test_codec_name() -> None:
@@ -293,9 +309,21 @@ def test_codec_name() -> None:
 # --- bench, --version, entry points ---------------------------------------------------
 
 
-def test_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench"]) == 0
-    assert "asv_bench" in capsys.readouterr().out
+def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--case", "host-zstd-4MB", "--size-gb", "0.04", "--repeat", "1"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "| host-zstd-4MB |" in out and "| gds-zarr |" in out and "| zarr |" in out
+    data = json.loads(out_json.read_text())
+    (result,) = data["results"]
+    assert set(result["seconds"]) == {"gds-zarr", "zarr"}
+    assert all(v > 0 for v in result["seconds"].values())
+
+
+def test_bench_unknown_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--case", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
 
 
 def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,8 @@
 ``engine="gds-zarr"`` and ``engine="zarr"``, and shows where each variable landed and
 that both engines agree. ``xarray-gds info PATH`` lists the arrays of a store with their
 chunking, codec chain, where each codec decodes and where the engine places the data.
-``xarray-gds bench`` is a placeholder until the GPU pipeline lands.
+``xarray-gds bench`` times open + load against ``engine="zarr"`` (see
+:mod:`xarray_gds.bench`).
 
 Like the rest of the package, importing this module loads no CUDA library.
 """
@@ -34,6 +35,7 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 import xarray_gds
 from xarray_gds import device as _device
 from xarray_gds.backend import open_store, placement
+from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, plan_chain
 
 __all__ = ["HOST_DECODE", "codec_name", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
 
@@ -43,13 +45,10 @@ PROG = "xarray-gds"
 # Codec decode paths
 # --------------------------------------------------------------------------------------
 
-#: Decode path of every codec in this release: zarr-python's own (CPU) implementation.
+#: Decode route of codecs that zarr-python decodes (no batched decoder here).
 HOST_DECODE = "host (zarr-python)"
-
-#: Codec name -> decode path, for codecs that do *not* decode through zarr-python on the
-#: host. Empty in this release; the batched nvCOMP pipeline registers its codecs here
-#: (for instance ``"zstd"``) when it lands, and ``decode_path`` picks them up.
-_DECODE_PATHS: dict[str, str] = {}
+GPU_DECODE = "GPU (batched)"
+HOST_BATCHED = "host (batched)"
 
 
 def codec_name(codec: Any) -> str:
@@ -68,26 +67,27 @@ def codec_name(codec: Any) -> str:
     return type(codec).__name__
 
 
-def decode_path(codec: Any) -> str:
-    """Where ``engine="gds-zarr"`` decodes chunks encoded with ``codec``.
-
-    In this release every codec decodes on the host through zarr-python, also when
-    the chunk bytes were read into GPU memory by kvikio (zarr-python's compressors
-    copy them to the host to decode). This will change when the batched GPU pipeline
-    (nvCOMP) lands: it will register the codecs it decodes on the device in
-    ``_DECODE_PATHS``, keyed by :func:`codec_name`, and this function will report them.
+def decode_path(codec: Any, plan: Any = None) -> str:
+    """Where ``engine="gds-zarr"`` decodes ``codec`` of an array decoded by ``plan``.
 
     Parameters
     ----------
     codec : zarr codec or numcodecs.abc.Codec
         A codec from an array's codec chain (Zarr v3) or its filters/compressor (v2).
+    plan : DecodeChain, ShardChain, Unsupported or None
+        The array's plan from :func:`xarray_gds.codecs.plan_chain`.
 
     Returns
     -------
     str
-        ``"host (zarr-python)"`` for every codec in this release.
+        ``"GPU (batched)"`` when GPU reads decode the array with the batched pipeline
+        (nvCOMP, CuPy filters), ``"host (batched)"`` when only host reads do (GPU
+        reads then fall back to zarr-python, with a warning), else
+        ``"host (zarr-python)"``.
     """
-    return _DECODE_PATHS.get(codec_name(codec), HOST_DECODE)
+    if not isinstance(plan, DecodeChain | ShardChain):
+        return HOST_DECODE
+    return GPU_DECODE if plan.device_ready else HOST_BATCHED
 
 
 # --------------------------------------------------------------------------------------
@@ -483,32 +483,48 @@ def _v3_role(codec: Any) -> str:
     return "codec"
 
 
-def _v3_rows(codecs: Iterable[Any], prefix: str = "", depth: int = 0) -> list[tuple[str, ...]]:
+def _v3_rows(
+    codecs: Iterable[Any], plan: Any, prefix: str = "", depth: int = 0
+) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     pad = "  " * depth
     for codec in codecs:
-        rows.append((pad + prefix + _v3_role(codec), _codec_text(codec), decode_path(codec)))
+        where = decode_path(codec, plan)
+        if prefix == "index " and where != HOST_DECODE:
+            where = "host (shard index)"
+        rows.append((pad + prefix + _v3_role(codec), _codec_text(codec), where))
         inner = getattr(codec, "codecs", None)
         index = getattr(codec, "index_codecs", None)
         if isinstance(codec, zarr.codecs.ShardingCodec) and inner is not None:
-            rows += _v3_rows(inner, "inner ", depth + 1)
-            rows += _v3_rows(index or (), "index ", depth + 1)
+            rows += _v3_rows(inner, plan, "inner ", depth + 1)
+            rows += _v3_rows(index or (), plan, "index ", depth + 1)
     return rows
 
 
 def _codec_rows(array: Any) -> list[tuple[str, ...]]:
     """(role, codec, decode path) in encoding order."""
     metadata = array.metadata
+    plan = plan_chain(metadata)
     if metadata.zarr_format == 3:
-        return _v3_rows(metadata.codecs)
+        return _v3_rows(metadata.codecs, plan)
     rows: list[tuple[str, ...]] = [
-        ("filter", _codec_text(f), decode_path(f)) for f in (metadata.filters or ())
+        ("filter", _codec_text(f), decode_path(f, plan)) for f in (metadata.filters or ())
     ]
     if metadata.compressor is not None:
         rows.append(
-            ("compressor", _codec_text(metadata.compressor), decode_path(metadata.compressor))
+            ("compressor", _codec_text(metadata.compressor), decode_path(metadata.compressor, plan))
         )
     return rows
+
+
+def _route(array: Any) -> str:
+    """One line on how reads of ``array`` are decoded."""
+    plan = plan_chain(array.metadata)
+    if isinstance(plan, Unsupported):
+        return f"zarr-python on the host ({plan.reason}); GPU reads copy the result over"
+    if plan.device_ready:
+        return "batched: nvCOMP on the GPU, threaded numcodecs on the host"
+    return "batched on the host; GPU reads fall back to zarr-python on the host"
 
 
 def _describe_array(array: Any) -> str:
@@ -529,6 +545,7 @@ def _describe_array(array: Any) -> str:
     if cf:
         fields.append(("cf", ", ".join(f"{k}={v!r}" for k, v in cf.items())))
     fields.append(("placement", _engine_placement(array)))
+    fields.append(("decode", _route(array)))
     width = max(len(k) for k, _ in fields)
     lines = [path] + [f"  {k.ljust(width)}  {v}" for k, v in fields]
     rows = _codec_rows(array)
@@ -577,10 +594,26 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    print(
-        f"{PROG} bench: the benchmarks live in asv_bench/ (run them with asv); "
-        f"`{PROG} bench` arrives with the GPU pipeline."
+    from xarray_gds import bench
+
+    cases = args.case or None
+    unknown = sorted(set(cases or ()) - set(bench.CASES))
+    if unknown:
+        _error("bench", f"unknown case(s) {unknown}; choose from {sorted(bench.CASES)}")
+        return 2
+    ok, reason = _device.cuda_status()
+    if not ok:
+        print(f"no GPU ({reason}): running the host cases only")
+    results = bench.run(
+        workdir=Path(args.dir) if args.dir else None,
+        size_gb=args.size_gb,
+        repeat=args.repeat,
+        cases=cases,
     )
+    print(bench.format_table(results))
+    if args.json:
+        bench.dump(results, Path(args.json))
+        print(f"results written to {args.json}")
     return 0
 
 
@@ -632,7 +665,18 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--group", help="only this group (path inside the store)")
     info.set_defaults(run=_run_info)
 
-    bench = commands.add_parser("bench", help="benchmarks (not yet: see asv_bench/)")
+    bench = commands.add_parser(
+        "bench",
+        help="time open + load against engine='zarr' (ratios measured in one run)",
+        description="Write benchmark stores, then time open + load of each with "
+        "engine='gds-zarr', engine='zarr' (+ cupy.asarray on the GPU) and, for the "
+        "zstd case, the raw kvikio + nvCOMP limit. Prints GB/s and ratios.",
+    )
+    bench.add_argument("--size-gb", type=float, default=2.0, help="store size (default 2)")
+    bench.add_argument("--repeat", type=int, default=3, help="timed runs, best kept")
+    bench.add_argument("--case", action="append", help="run only this case (repeatable)")
+    bench.add_argument("--dir", help="where to write the stores (default: a temp dir)")
+    bench.add_argument("--json", help="also write the results as JSON to this file")
     bench.set_defaults(run=_run_bench)
     return parser
 
