@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import device as _device
-from xarray_gds.codecs import DecodeChain
+from xarray_gds.codecs import DecodeChain, framing
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, pack_offsets
 
@@ -26,8 +26,6 @@ __all__ = ["decode", "pack"]
 #: 2-byte header and 4-byte Adler-32 trailer are stripped.
 ALGORITHMS = {"zstd": "Zstd", "gzip": "Gzip", "zlib": "Deflate", "lz4": "LZ4"}
 _ALIGN = 16  # the strictest nvCOMP input/output alignment (the docs advise 16)
-_PEEK = 18  # bytes of each chunk checked on the host (longest zstd frame header)
-_ZSTD_MAGIC = 0xFD2FB528
 
 _local = threading.local()
 
@@ -84,26 +82,6 @@ def _peek(batch: DeviceBatch, offsets: np.ndarray, n: int) -> np.ndarray:
     return cp.asnumpy(batch.arena[index])
 
 
-def _check_sizes(sizes: np.ndarray, keys: list[str], codec: str, minimum: int) -> None:
-    for size, key in zip(sizes.tolist(), keys, strict=True):
-        if size < minimum:
-            raise ChunkDecodeError(key, codec, f"{size} bytes is too short for a {codec} stream")
-
-
-def _zstd_content_size(head: np.ndarray) -> int | None:
-    """Frame content size from a zstd frame header, or None if the frame omits it."""
-    fhd = int(head[4])
-    fcs_flag = fhd >> 6
-    single = (fhd >> 5) & 1
-    did = (0, 1, 2, 4)[fhd & 3]
-    pos = 5 + (0 if single else 1) + did
-    width = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    if width == 0:
-        return None
-    value = int.from_bytes(bytes(head[pos : pos + width]), "little")
-    return value + 256 if width == 2 else value
-
-
 def _frame(
     name: str,
     batch: DeviceBatch,
@@ -113,44 +91,9 @@ def _frame(
     keys: list[str],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Check stream headers; return offsets and sizes of the raw streams for nvCOMP."""
-    if name == "zstd":
-        _check_sizes(sizes, keys, name, 9)
-        heads = _peek(batch, offsets, _PEEK)
-        magic = heads[:, :4].copy().view("<u4")[:, 0]
-        for i, key in enumerate(keys):
-            if int(magic[i]) != _ZSTD_MAGIC:
-                raise ChunkDecodeError(key, name, "not a zstd frame (bad magic number)")
-            declared = _zstd_content_size(heads[i])
-            if declared is not None and declared != nbytes:
-                raise ChunkDecodeError(
-                    key, name, f"frame declares {declared} decoded bytes, expected {nbytes}"
-                )
-        return offsets, sizes
-    if name == "lz4":
-        _check_sizes(sizes, keys, name, 5)
-        prefix = _peek(batch, offsets, 4).view("<u4")[:, 0]
-        for i, key in enumerate(keys):
-            if int(prefix[i]) != nbytes:
-                raise ChunkDecodeError(
-                    key, name, f"size prefix says {int(prefix[i])} bytes, expected {nbytes}"
-                )
-        return offsets + 4, sizes - 4
-    if name == "zlib":
-        _check_sizes(sizes, keys, name, 7)
-        heads = _peek(batch, offsets, 2).astype(np.int64)
-        for i, key in enumerate(keys):
-            cmf, flg = int(heads[i, 0]), int(heads[i, 1])
-            if cmf & 0x0F != 8 or (cmf * 256 + flg) % 31 or flg & 0x20:
-                raise ChunkDecodeError(key, name, "bad zlib header")
-        return offsets + 2, sizes - 6
-    if name == "gzip":
-        _check_sizes(sizes, keys, name, 18)
-        heads = _peek(batch, offsets, 3)
-        for i, key in enumerate(keys):
-            if heads[i, 0] != 0x1F or heads[i, 1] != 0x8B or heads[i, 2] != 8:
-                raise ChunkDecodeError(key, name, "bad gzip header")
-        return offsets, sizes
-    raise ValueError(f"no GPU decoder for {name!r}")  # pragma: no cover - planned away
+    heads = _peek(batch, offsets, framing.PEEK)
+    skip, trim = framing.check(name, heads, sizes, nbytes, keys)
+    return offsets + skip, sizes - trim
 
 
 def _aligned(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray) -> DeviceBatch:
