@@ -10,15 +10,16 @@ find_python() {
   for c in python3.13 python3.12 python3; do
     if _ok "$c"; then echo "$c"; return; fi
   done
-  # pyenv shims exist for every installed version but only run the selected one
+  # pyenv shims exist for every installed version but only run the selected one, so
+  # take the interpreter's own path (3.12 first: the GPU machine runs 3.12)
   if command -v pyenv >/dev/null 2>&1; then
     local v
-    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])(\.[0-9]+)?$' | sort -V | tail -n 1)
-    if [ -n "$v" ]; then
-      export PYENV_VERSION="$v"
-      echo "python${v%.*}"
-      return
-    fi
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])(\.[0-9]+)?$' | sort -V); do
+      if _ok "$(pyenv root)/versions/$v/bin/python3"; then
+        echo "$(pyenv root)/versions/$v/bin/python3"
+        return
+      fi
+    done
   fi
   echo "error: Python >= 3.12 not found (zarr >= 3.2 needs it); set PYTHON=/path/to/python3.12" >&2
   exit 1
@@ -34,5 +35,4 @@ setup_venv() {  # setup_venv EXTRAS
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$1]"
   export PATH="$PWD/.venv/bin:$PATH"
-  unset PYENV_VERSION
 }

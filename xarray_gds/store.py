@@ -76,17 +76,18 @@ def _read_device(path: Path, byte_range: ByteRequest | None) -> Any:
 
 def read_files_host(paths: list[Path]) -> list[np.ndarray | None]:
     """Whole files as uint8 arrays (``None`` for missing files), read by threads."""
-    from xarray_gds.codecs.host import _pool
+    from xarray_gds.codecs.host import parallel
 
-    def one(path: Path) -> np.ndarray | None:
+    out: list[np.ndarray | None] = [None] * len(paths)
+
+    def one(i: int) -> None:
         try:
-            return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+            out[i] = np.frombuffer(paths[i].read_bytes(), dtype=np.uint8)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
+            pass
 
-    if len(paths) < 4:
-        return [one(p) for p in paths]
-    return list(_pool().map(one, paths))
+    parallel(one, len(paths))
+    return out
 
 
 @dataclass
@@ -178,19 +179,22 @@ def read_ranges_host(
     paths: list[Path], starts: np.ndarray, sizes: np.ndarray
 ) -> list[np.ndarray | None]:
     """Host counterpart of :func:`read_ranges_device`: a uint8 array per range."""
-    from xarray_gds.codecs.host import _pool
+    from xarray_gds.codecs.host import parallel
 
-    def one(i: int) -> np.ndarray | None:
+    out: list[np.ndarray | None] = [None] * len(paths)
+
+    def one(i: int) -> None:
         size = int(sizes[i])
         if size < 0:
-            return None
+            return
         with open(paths[i], "rb") as f:
             data = os.pread(f.fileno(), size, int(starts[i]))
         if len(data) != size:
             raise OSError(f"short read from {paths[i]}: got {len(data)} of {size} bytes")
-        return np.frombuffer(data, dtype=np.uint8)
+        out[i] = np.frombuffer(data, dtype=np.uint8)
 
-    return list(_pool().map(one, range(len(paths))))
+    parallel(one, len(paths))
+    return out
 
 
 class GdsStore(LocalStore):

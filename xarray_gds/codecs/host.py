@@ -24,6 +24,26 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="xarray-gds")
 
 
+def parallel(fn: Any, n: int) -> None:
+    """Run ``fn(i)`` for ``i`` in ``range(n)`` on the pool, in a few contiguous blocks
+    per worker (one future per block, not per item: per-item futures cost more than
+    decoding a small chunk)."""
+    if n < 4:
+        for i in range(n):
+            fn(i)
+        return
+    pool = _pool()
+    blocks = min(n, 4 * pool._max_workers)
+    edges = np.linspace(0, n, blocks + 1).astype(int)
+
+    def run(b: int) -> None:
+        for i in range(edges[b], edges[b + 1]):
+            fn(i)
+
+    for _ in pool.map(run, range(blocks)):
+        pass
+
+
 def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]:
     """Check and remove the trailing CRC-32C (little-endian) of every chunk."""
     out = []
@@ -61,12 +81,7 @@ def decompress(
             )
         out[i] = decoded
 
-    if len(chunks) < 4:
-        for i in range(len(chunks)):
-            one(i)
-    else:
-        for _ in _pool().map(one, range(len(chunks))):
-            pass
+    parallel(one, len(chunks))
     return out
 
 
