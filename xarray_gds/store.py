@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 from collections.abc import Iterable
@@ -81,10 +82,8 @@ def read_files_host(paths: list[Path]) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
             out[i] = np.frombuffer(paths[i].read_bytes(), dtype=np.uint8)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            pass
 
     parallel(one, len(paths))
     return out
