@@ -42,11 +42,17 @@ def to_numpy(ds: xr.Dataset) -> xr.Dataset:
     return ds.load().as_numpy()
 
 
+SOURCE_INDEXES = frozenset({"time", "lat", "lon"})
+
+
 def assert_placed(ds: xr.Dataset, device: str) -> None:
     """Numeric non-index variables on ``device``; everything else numpy."""
     import xarray_gds
 
     for name, var in ds.variables.items():
+        if name in SOURCE_INDEXES:
+            continue  # an index coordinate of the store stays on the host, even once
+            # indexing made it a scalar or a non-index coordinate
         data = var.data
         on_device = hasattr(data, "__cuda_array_interface__")
         want = device == "cuda" and xarray_gds.placement(str(name), var) == "cuda"

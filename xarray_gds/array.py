@@ -74,9 +74,18 @@ class GdsBackendArray(BackendArray):
 
     def _vindex(self, key: tuple[Any, ...]) -> Any:
         coords = _coordinates(key, self.shape)
-        return self._finish(
-            self._array.get_coordinate_selection(coords, prototype=self._prototype())
+        prototype = self._prototype()
+        if self._device == "cpu":
+            return self._finish(self._array.get_coordinate_selection(coords, prototype=prototype))
+        # zarr's coordinate selection works on host arrays only: read the outer block
+        # of the points (only the chunks they touch), then pick them on the device
+        uniques, inverses = zip(*(np.unique(c, return_inverse=True) for c in coords), strict=True)
+        block = self._finish(self._array.get_orthogonal_selection(uniques, prototype=prototype))
+        xp = _device.array_module(self._device)
+        picks = tuple(
+            xp.asarray(inv.reshape(c.shape)) for inv, c in zip(inverses, coords, strict=True)
         )
+        return block[picks]
 
     def _prototype(self) -> Any:
         # zarr keeps non-native byte orders as such; CuPy cannot hold them, so

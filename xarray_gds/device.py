@@ -61,11 +61,12 @@ def _configure_kvikio(module: ModuleType) -> None:
     if "KVIKIO_NTHREADS" in os.environ:
         return
     threads = min(16, os.cpu_count() or 1)
+    defaults = importlib.import_module("kvikio.defaults")
     try:
-        module.defaults.set("num_threads", threads)
+        defaults.set("num_threads", threads)
     except (AttributeError, TypeError):  # kvikio < 25: the older setter
         with contextlib.suppress(AttributeError):
-            module.defaults.num_threads_reset(threads)
+            defaults.num_threads_reset(threads)
 
 
 @functools.cache

@@ -24,6 +24,7 @@ import zarr
 from zarr.abc.codec import CodecPipeline, GetResult
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.array import create_codec_pipeline
+from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
 from zarr.core.codec_pipeline import BatchedCodecPipeline
@@ -145,9 +146,11 @@ class GdsCodecPipeline(CodecPipeline):
         on_device = not isinstance(out, cpu.NDBuffer)
         planned = isinstance(chain, DecodeChain | ShardChain)
         if not planned or (on_device and not chain.device_ready):  # type: ignore[union-attr]
-            if on_device and chain is not None:
+            if not on_device:
+                return await self._fallback.read(batch, out, drop_axes)
+            if chain is not None:
                 self._warn_host_decode(batch[0][0].path, chain)
-            return await self._fallback.read(batch, out, drop_axes)
+            return await self._host_then_copy(batch, out, drop_axes)
         if isinstance(chain, ShardChain):
             return await _read_shards(chain, batch, out, drop_axes, on_device)
         assert isinstance(chain, DecodeChain)
@@ -163,6 +166,34 @@ class GdsCodecPipeline(CodecPipeline):
                 )
             )
         return tuple(results)
+
+    async def _host_then_copy(
+        self, batch: list[Any], out: Any, drop_axes: tuple[int, ...]
+    ) -> tuple[GetResult, ...]:
+        """zarr's own pipeline into host memory, then one copy of the result to ``out``.
+
+        zarr's codecs are host codecs (its Zarr v2 codec cannot even take device
+        buffers), so GPU reads of arrays without a batched plan decode on the host.
+        """
+        specs: dict[int, Any] = {}
+
+        def on_host(spec: Any) -> Any:
+            if id(spec) not in specs:
+                specs[id(spec)] = ArraySpec(
+                    shape=spec.shape,
+                    dtype=spec.dtype,
+                    fill_value=spec.fill_value,
+                    config=spec.config,
+                    prototype=cpu.buffer_prototype,
+                )
+            return specs[id(spec)]
+
+        host_batch = [(bg, on_host(spec), *rest) for bg, spec, *rest in batch]
+        target = out.as_ndarray_like()
+        host_out = cpu.NDBuffer.from_numpy_array(np.empty(target.shape, dtype=target.dtype))
+        results = await self._fallback.read(host_batch, host_out, drop_axes)
+        target[...] = _device.cupy().asarray(host_out.as_numpy_array())
+        return results
 
     def _warn_host_decode(self, key: str, chain: Any) -> None:
         name = _array_name(key, self._chunk_key_parts)

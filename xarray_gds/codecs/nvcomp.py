@@ -10,6 +10,7 @@ nvCOMP decodes every chunk of the batch into rows of one output buffer.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 
@@ -28,6 +29,7 @@ ALGORITHMS = {"zstd": "Zstd", "gzip": "Gzip", "zlib": "Deflate", "lz4": "LZ4"}
 _ALIGN = 16  # the strictest nvCOMP input/output alignment (the docs advise 16)
 
 _local = threading.local()
+_all_states: list[Any] = []  # every thread's (stream, codecs), released at exit
 
 
 def _nvcomp() -> Any:
@@ -45,9 +47,20 @@ def _state() -> tuple[Any, dict[str, Any]]:
     """This thread's CUDA stream and nvCOMP codecs (a Codec is not thread-safe)."""
     if not hasattr(_local, "codecs"):
         cp = _device.cupy()
+        if not _all_states:
+            # registered after CuPy's own exit handlers, so it runs before them:
+            # nvCOMP codecs must go before the streams and the context they use
+            atexit.register(_release)
         _local.stream = cp.cuda.Stream(non_blocking=True)
         _local.codecs = {}
+        _all_states.append(_local.__dict__)
     return _local.stream, _local.codecs
+
+
+def _release() -> None:
+    for state in _all_states:
+        state.get("codecs", {}).clear()
+    _all_states.clear()
 
 
 def _codec(name: str) -> Any:
@@ -82,6 +95,79 @@ def _peek(batch: DeviceBatch, offsets: np.ndarray, n: int) -> np.ndarray:
     return cp.asnumpy(batch.arena[index])
 
 
+_ZSTD_WALK = r"""
+extern "C" __global__ void zstd_walk(const unsigned char* arena, const long long* offsets,
+                                     const long long* sizes, int n, long long* status) {
+    // One thread per chunk: follow the block headers of one zstd frame and check that
+    // it ends exactly at the end of the chunk. 0: ok, -1: bad header, -2: truncated,
+    // -3: reserved block type, -4: bytes after the end of the frame.
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned char* p = arena + offsets[i];
+    long long size = sizes[i];
+    if (size < 6) { status[i] = -1; return; }
+    unsigned fhd = p[4];
+    int single = (fhd >> 5) & 1;
+    int dict_bytes = (fhd & 3) == 3 ? 4 : (int)(fhd & 3);
+    int fcs_flag = fhd >> 6;
+    int fcs_bytes = fcs_flag == 0 ? single : (fcs_flag == 1 ? 2 : (fcs_flag == 2 ? 4 : 8));
+    long long pos = 5 + (single ? 0 : 1) + dict_bytes + fcs_bytes;
+    for (;;) {
+        if (pos + 3 > size) { status[i] = -2; return; }
+        unsigned h = p[pos] | (p[pos + 1] << 8) | (p[pos + 2] << 16);
+        pos += 3;
+        int type = (h >> 1) & 3;
+        if (type == 3) { status[i] = -3; return; }
+        pos += type == 1 ? 1 : (long long)(h >> 3);
+        if (pos > size) { status[i] = -2; return; }
+        if (h & 1) break;
+    }
+    if ((fhd >> 2) & 1) pos += 4;  // content checksum
+    status[i] = pos == size ? 0 : (pos < size ? -4 : -2);
+}
+"""
+_ZSTD_ERRORS = {
+    -1: "bad frame header",
+    -2: "truncated stream",
+    -3: "reserved block type (corrupt data)",
+    -4: "bytes after the end of the frame",
+}
+
+
+def _zstd_walk(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, keys: list[str]) -> None:
+    """Check on the device that every zstd frame is whole (nvCOMP does not report it)."""
+    cp = _device.cupy()
+    if not hasattr(_local, "zstd_walk"):
+        _local.zstd_walk = cp.RawKernel(_ZSTD_WALK, "zstd_walk")
+    n = len(keys)
+    status = cp.empty(n, dtype=cp.int64)
+    threads = 128
+    _local.zstd_walk(
+        ((n + threads - 1) // threads,),
+        (threads,),
+        (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n), status),
+    )
+    codes = cp.asnumpy(status)
+    bad = np.flatnonzero(codes)
+    if bad.size:
+        j = int(bad[0])
+        raise ChunkDecodeError(keys[j], "zstd", _ZSTD_ERRORS.get(int(codes[j]), "corrupt frame"))
+
+
+def _gzip_trailer(
+    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, keys: list[str]
+) -> None:
+    """Check gzip's ISIZE trailer (decoded size mod 2**32) of every chunk."""
+    tails = _peek(batch, offsets + sizes - 4, 4)
+    isize = np.ascontiguousarray(tails).view("<u4")[:, 0]
+    bad = np.flatnonzero(isize != (nbytes & 0xFFFFFFFF))
+    if bad.size:
+        j = int(bad[0])
+        raise ChunkDecodeError(
+            keys[j], "gzip", f"trailer gives {int(isize[j])} decoded bytes, expected {nbytes}"
+        )
+
+
 def _frame(
     name: str,
     batch: DeviceBatch,
@@ -93,6 +179,10 @@ def _frame(
     """Check stream headers; return offsets and sizes of the raw streams for nvCOMP."""
     heads = _peek(batch, offsets, framing.PEEK)
     skip, trim = framing.check(name, heads, sizes, nbytes, keys)
+    if name == "zstd":
+        _zstd_walk(batch, offsets, sizes, keys)
+    elif name == "gzip":
+        _gzip_trailer(batch, offsets, sizes, nbytes, keys)
     return offsets + skip, sizes - trim
 
 
