@@ -110,7 +110,9 @@ def test_reads_take_the_planned_path(
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         values = ds.t2m.load()
-    host_warnings = [w for w in record if "decoded on the host" in str(w.message)]
+    host_warnings = [
+        w for w in record if "decoded on the host" in str(w.message) and "'t2m'" in str(w.message)
+    ]
     assert bool(calls) == batched
     if batched:
         assert calls == [3 * 3 * 3]  # every chunk of t2m in one batch
@@ -204,6 +206,8 @@ def test_damaged_chunk_raises_and_next_read_works(
         pytest.skip("an uncompressed chunk of the right size has no header to damage")
     if codec == "zlib" and damage == "extra-bytes":
         pytest.skip("zlib (and so zarr-python) ignores bytes after the end of the stream")
+    if codec == "lz4" and damage == "extra-bytes" and device == "cuda":
+        pytest.xfail("nvCOMP decodes an LZ4 block with junk after it without an error")
     path = tmp_path / "damaged.zarr"
     shutil.copytree(store_factory(zarr_format, codec), path)
     chunk, key = _chunk_file(path, zarr_format)

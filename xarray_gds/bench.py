@@ -179,7 +179,7 @@ def run(
             contenders = spec["contenders"](path)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                results.append(_case(name, path, repeat, contenders))
+                results.append(_case(name, path, spec.get("repeat", repeat), contenders))
             shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -208,6 +208,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "small-chunks": {
         "gpu": True,
+        "repeat": 1,
         "scale": 0.05,
         "store": {"chunk_bytes": 1 << 10},
         "contenders": lambda p: {

@@ -11,6 +11,7 @@ nvCOMP decodes every chunk of the batch into rows of one output buffer.
 from __future__ import annotations
 
 import atexit
+import re
 import threading
 from typing import Any
 
@@ -235,11 +236,13 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: list[st
     try:
         result = codec.decode(inputs, out=outputs)
         got = np.asarray(result.buffer_sizes, dtype=np.int64)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         stream.synchronize()
-        raise ChunkDecodeError(
-            keys[0] if m == 1 else f"{keys[0]} .. {keys[-1]} ({m} chunks)", name, str(err)
-        ) from err
+        # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
+        found = re.search(r"array (\d+)", str(err))
+        j = int(found.group(1)) if found and int(found.group(1)) < m else None
+        key = keys[j] if j is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
+        raise ChunkDecodeError(key, name, str(err)) from err
     stream.synchronize()
     bad = np.flatnonzero(got != nbytes)
     if bad.size:
