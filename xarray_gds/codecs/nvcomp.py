@@ -240,8 +240,8 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: list[st
         stream.synchronize()
         # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
         found = re.search(r"array (\d+)", str(err))
-        j = int(found.group(1)) if found and int(found.group(1)) < m else None
-        key = keys[j] if j is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
+        where = int(found.group(1)) if found and int(found.group(1)) < m else None
+        key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
         raise ChunkDecodeError(key, name, str(err)) from err
     stream.synchronize()
     bad = np.flatnonzero(got != nbytes)
