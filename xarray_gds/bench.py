@@ -163,8 +163,12 @@ def run(
     size_gb: float = 2.0,
     repeat: int = 3,
     cases: list[str] | None = None,
+    on_result: Callable[[Result], None] | None = None,
 ) -> list[Result]:
-    """Run the benchmark cases; see ``CASES`` for names."""
+    """Run the benchmark cases; see ``CASES`` for names.
+
+    ``on_result`` is called with each case's result as soon as it is measured.
+    """
     cuda, _ = _device.cuda_status()
     tmp = Path(tempfile.mkdtemp(prefix="xarray-gds-bench-", dir=workdir))
     results: list[Result] = []
@@ -180,6 +184,8 @@ def run(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 results.append(_case(name, path, spec.get("repeat", repeat), contenders))
+            if on_result is not None:
+                on_result(results[-1])
             shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

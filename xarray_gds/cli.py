@@ -609,7 +609,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         size_gb=args.size_gb,
         repeat=args.repeat,
         cases=cases,
+        on_result=lambda r: print(bench.format_table([r]), flush=True),
     )
+    print("\nall cases:")
     print(bench.format_table(results))
     if args.json:
         bench.dump(results, Path(args.json))
