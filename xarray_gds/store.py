@@ -132,6 +132,9 @@ def pack_offsets(sizes: np.ndarray, align: int = 8) -> tuple[np.ndarray, int]:
     return offsets, int(padded.sum())
 
 
+_OPEN_FILES = 512
+
+
 def read_files_device(paths: list[Path]) -> DeviceBatch:
     """Read whole files into one device arena with kvikio, all reads in flight at once."""
     sizes = _sizes(paths)
@@ -149,28 +152,34 @@ def read_ranges_device(paths: list[Path], starts: np.ndarray, sizes: np.ndarray)
     kvikio = _device.kvikio()
     offsets, total = pack_offsets(sizes)
     arena = cp.empty(max(total, 1), dtype=cp.uint8)
-    handles: dict[Path, Any] = {}
-    try:
-        futures = []
+    reads = [
+        (path, at, start, size)
         for path, at, start, size in zip(
             paths, starts.tolist(), offsets.tolist(), sizes.tolist(), strict=True
-        ):
-            if size <= 0:
-                continue
-            f = handles.get(path)
-            if f is None:
-                f = handles[path] = kvikio.CuFile(path, "r")
-            futures.append((path, size, f.pread(arena[start : start + size], size, at)))
-        for path, size, future in futures:
-            got = future.get()
-            if got != size:
-                raise OSError(
-                    f"short read from {path}: got {got} of {size} bytes; the file is "
-                    "truncated or changed while it was read"
-                )
-    finally:
-        for f in handles.values():
-            f.close()
+        )
+        if size > 0
+    ]
+    # at most _OPEN_FILES files open at once (many small chunks would exhaust the
+    # process's file descriptors); all reads of a window are in flight together
+    for first in range(0, len(reads), _OPEN_FILES):
+        handles: dict[Path, Any] = {}
+        try:
+            futures = []
+            for path, at, start, size in reads[first : first + _OPEN_FILES]:
+                f = handles.get(path)
+                if f is None:
+                    f = handles[path] = kvikio.CuFile(path, "r")
+                futures.append((path, size, f.pread(arena[start : start + size], size, at)))
+            for path, size, future in futures:
+                got = future.get()
+                if got != size:
+                    raise OSError(
+                        f"short read from {path}: got {got} of {size} bytes; the file is "
+                        "truncated or changed while it was read"
+                    )
+        finally:
+            for f in handles.values():
+                f.close()
     return DeviceBatch(arena, offsets, sizes)
 
 

@@ -127,6 +127,57 @@ extern "C" __global__ void zstd_walk(const unsigned char* arena, const long long
     status[i] = pos == size ? 0 : (pos < size ? -4 : -2);
 }
 """
+_LZ4_WALK = r"""
+extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long* offsets,
+                                    const long long* sizes, int n, long long expected,
+                                    long long* status) {
+    // One thread per chunk: follow the sequences of one LZ4 block and check that they
+    // stay inside the input, refer only to bytes already produced, and produce exactly
+    // `expected` bytes. 0: ok, -2: truncated, -3: bad match offset, -5: wrong size.
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned char* p = arena + offsets[i];
+    long long size = sizes[i], ip = 0, op = 0;
+    for (;;) {
+        if (ip >= size) { status[i] = -2; return; }
+        unsigned token = p[ip++];
+        long long run = token >> 4;
+        if (run == 15) {
+            unsigned b;
+            do {
+                if (ip >= size) { status[i] = -2; return; }
+                b = p[ip++];
+                run += b;
+            } while (b == 255);
+        }
+        ip += run;
+        op += run;
+        if (ip > size) { status[i] = -2; return; }
+        if (ip == size) break;  // the last sequence holds literals only
+        if (ip + 2 > size) { status[i] = -2; return; }
+        long long offset = p[ip] | (p[ip + 1] << 8);
+        ip += 2;
+        if (offset == 0 || offset > op) { status[i] = -3; return; }
+        run = token & 15;
+        if (run == 15) {
+            unsigned b;
+            do {
+                if (ip >= size) { status[i] = -2; return; }
+                b = p[ip++];
+                run += b;
+            } while (b == 255);
+        }
+        op += run + 4;
+        if (op > expected) { status[i] = -5; return; }
+    }
+    status[i] = op == expected ? 0 : -5;
+}
+"""
+_LZ4_ERRORS = {
+    -2: "truncated stream",
+    -3: "match offset outside the data (corrupt stream)",
+    -5: "stream does not decode to the chunk size",
+}
 _ZSTD_ERRORS = {
     -1: "bad frame header",
     -2: "truncated stream",
@@ -135,24 +186,39 @@ _ZSTD_ERRORS = {
 }
 
 
-def _zstd_walk(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, keys: list[str]) -> None:
-    """Check on the device that every zstd frame is whole (nvCOMP does not report it)."""
+_KERNELS = {
+    "zstd": (_ZSTD_WALK, "zstd_walk", _ZSTD_ERRORS),
+    "lz4": (_LZ4_WALK, "lz4_walk", _LZ4_ERRORS),
+}
+
+
+def _walk(
+    name: str,
+    batch: DeviceBatch,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    nbytes: int,
+    keys: list[str],
+) -> None:
+    """Check on the device that every stream is whole: nvCOMP does not report truncated
+    or corrupt zstd and LZ4 input (it returns the expected sizes and garbage)."""
     cp = _device.cupy()
-    if not hasattr(_local, "zstd_walk"):
-        _local.zstd_walk = cp.RawKernel(_ZSTD_WALK, "zstd_walk")
+    source, entry, messages = _KERNELS[name]
+    cache = _local.__dict__.setdefault("kernels", {})
+    if entry not in cache:
+        cache[entry] = cp.RawKernel(source, entry)
     n = len(keys)
     status = cp.empty(n, dtype=cp.int64)
+    args: tuple[Any, ...] = (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n))
+    if name == "lz4":
+        args += (np.int64(nbytes),)
     threads = 128
-    _local.zstd_walk(
-        ((n + threads - 1) // threads,),
-        (threads,),
-        (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n), status),
-    )
+    cache[entry](((n + threads - 1) // threads,), (threads,), (*args, status))
     codes = cp.asnumpy(status)
     bad = np.flatnonzero(codes)
     if bad.size:
         j = int(bad[0])
-        raise ChunkDecodeError(keys[j], "zstd", _ZSTD_ERRORS.get(int(codes[j]), "corrupt frame"))
+        raise ChunkDecodeError(keys[j], name, messages.get(int(codes[j]), "corrupt stream"))
 
 
 def _gzip_trailer(
@@ -180,11 +246,12 @@ def _frame(
     """Check stream headers; return offsets and sizes of the raw streams for nvCOMP."""
     heads = _peek(batch, offsets, framing.PEEK)
     skip, trim = framing.check(name, heads, sizes, nbytes, keys)
-    if name == "zstd":
-        _zstd_walk(batch, offsets, sizes, keys)
+    offsets, sizes = offsets + skip, sizes - trim
+    if name in _KERNELS:
+        _walk(name, batch, offsets, sizes, nbytes, keys)
     elif name == "gzip":
         _gzip_trailer(batch, offsets, sizes, nbytes, keys)
-    return offsets + skip, sizes - trim
+    return offsets, sizes
 
 
 def _aligned(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray) -> DeviceBatch:
