@@ -128,6 +128,18 @@ extern "C" __global__ void zstd_walk(const unsigned char* arena, const long long
 }
 """
 _LZ4_WALK = r"""
+__device__ bool extend_run(const unsigned char* p, long long size, long long* ip,
+                           long long* run) {
+    // LZ4 lengths of 15 continue in bytes of 255 until a smaller one
+    unsigned b;
+    do {
+        if (*ip >= size) return false;
+        b = p[(*ip)++];
+        *run += b;
+    } while (b == 255);
+    return true;
+}
+
 extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long* offsets,
                                     const long long* sizes, int n, long long expected,
                                     long long* status) {
@@ -142,14 +154,7 @@ extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long*
         if (ip >= size) { status[i] = -2; return; }
         unsigned token = p[ip++];
         long long run = token >> 4;
-        if (run == 15) {
-            unsigned b;
-            do {
-                if (ip >= size) { status[i] = -2; return; }
-                b = p[ip++];
-                run += b;
-            } while (b == 255);
-        }
+        if (run == 15 && !extend_run(p, size, &ip, &run)) { status[i] = -2; return; }
         ip += run;
         op += run;
         if (ip > size) { status[i] = -2; return; }
@@ -159,14 +164,7 @@ extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long*
         ip += 2;
         if (offset == 0 || offset > op) { status[i] = -3; return; }
         run = token & 15;
-        if (run == 15) {
-            unsigned b;
-            do {
-                if (ip >= size) { status[i] = -2; return; }
-                b = p[ip++];
-                run += b;
-            } while (b == 255);
-        }
+        if (run == 15 && !extend_run(p, size, &ip, &run)) { status[i] = -2; return; }
         op += run + 4;
         if (op > expected) { status[i] = -5; return; }
     }
