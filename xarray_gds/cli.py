@@ -35,7 +35,7 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 import xarray_gds
 from xarray_gds import device as _device
 from xarray_gds.backend import open_store, placement
-from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, plan_chain
+from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
 
 __all__ = ["HOST_DECODE", "codec_name", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
 
@@ -49,22 +49,6 @@ PROG = "xarray-gds"
 HOST_DECODE = "host (zarr-python)"
 GPU_DECODE = "GPU (batched)"
 HOST_BATCHED = "host (batched)"
-
-
-def codec_name(codec: Any) -> str:
-    """The registered name of a Zarr codec: ``"zstd"``, ``"bytes"``, ``"sharding_indexed"``.
-
-    Works for Zarr v3 codecs (the ``name`` in their metadata) and for numcodecs codecs
-    used by Zarr v2 arrays (their ``codec_id``).
-    """
-    if isinstance(codec, NumcodecsCodec):
-        return str(codec.codec_id)
-    to_dict = getattr(codec, "to_dict", None)
-    if callable(to_dict):
-        meta = to_dict()
-        if isinstance(meta, Mapping) and isinstance(meta.get("name"), str):
-            return str(meta["name"])
-    return type(codec).__name__
 
 
 def decode_path(codec: Any, plan: Any = None) -> str:

@@ -106,10 +106,6 @@ class DeviceBatch:
     offsets: np.ndarray
     sizes: np.ndarray
 
-    def view(self, i: int) -> Any:
-        start = int(self.offsets[i])
-        return self.arena[start : start + int(self.sizes[i])]
-
 
 def _sizes(paths: list[Path]) -> np.ndarray:
     sizes = np.full(len(paths), -1, dtype=np.int64)
