@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
+from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import GdsStore
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkDecodeError",
     "GdsStore",
     "GdsZarrBackendEntrypoint",
     "NoCudaDeviceError",
