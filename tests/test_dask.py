@@ -1,0 +1,138 @@
+"""dask: chunks=, open_mfdataset and a distributed LocalCluster, against engine="zarr"."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from xarray_gds import GdsStore
+from xarray_gds.array import GdsBackendArray
+
+from .conftest import sample_dataset
+
+pytest.importorskip("dask.array")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
+    # xarray's announced change of open_mfdataset defaults, the same for both engines
+    pytest.mark.filterwarnings("ignore:In a future version of xarray:FutureWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three stores, each holding a run of time steps of the sample dataset."""
+    root = tmp_path_factory.mktemp("parts")
+    base = sample_dataset()
+    paths = []
+    for i in range(3):
+        path = root / f"part{i}.zarr"
+        base.isel(time=slice(3 * i, 3 * i + 3)).to_zarr(path, zarr_format=3)
+        paths.append(path)
+    return paths
+
+
+def _blocks_on(ds: xr.Dataset, device: str) -> None:
+    """Every dask block of a numeric non-index variable is on ``device``."""
+    for name, var in ds.variables.items():
+        if var.chunks is None or name in ds.dims or var.dtype.kind not in "biufc":
+            continue
+        block = var.data.blocks[(0,) * var.ndim].compute()
+        assert hasattr(block, "__cuda_array_interface__") == (device == "cuda"), name
+
+
+@pytest.mark.parametrize("chunks", [{}, "auto", {"time": 3, "lat": -1}], ids=str)
+def test_chunks_match_zarr(v3_store: Path, device: str, chunks: Any) -> None:
+    # dask cannot size "auto" chunks of object (string) arrays, with either engine
+    kw: dict[str, Any] = {"chunks": chunks, "drop_variables": ["station"]}
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device, **kw)
+    ref = xr.open_dataset(v3_store, engine="zarr", **kw)
+    assert gds.t2m.chunks == ref.t2m.chunks
+    if chunks == {}:
+        assert gds.t2m.chunks == ((4, 4, 2), (4, 4, 1), (5, 5, 2))  # the stored chunks
+    _blocks_on(gds, device)
+    xr.testing.assert_identical(gds.load().as_numpy(), ref.load())
+
+
+def test_lazy_arrays_and_stores_pickle(v3_store: Path) -> None:
+    store = GdsStore(v3_store, read_only=True)
+    assert pickle.loads(pickle.dumps(store)) == store
+    ds = xr.open_dataset(store, engine="gds-zarr", device="cpu")
+    wrapped = ds.t2m.variable._data
+    while not isinstance(wrapped, GdsBackendArray):
+        wrapped = wrapped.array
+    clone = pickle.loads(pickle.dumps(wrapped))
+    assert clone.shape == wrapped.shape and clone.dtype == wrapped.dtype
+    again = pickle.loads(pickle.dumps(ds))
+    xr.testing.assert_identical(again.load(), xr.open_dataset(v3_store, engine="zarr").load())
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_open_mfdataset_by_coords(parts: list[Path], device: str, parallel: bool) -> None:
+    gds = xr.open_mfdataset(parts, engine="gds-zarr", device=device, parallel=parallel)
+    ref = xr.open_mfdataset(parts, engine="zarr", parallel=parallel)
+    _blocks_on(gds, device)
+    xr.testing.assert_identical(gds.load().as_numpy(), ref.load())
+
+
+def test_open_mfdataset_nested_preprocess(parts: list[Path], device: str) -> None:
+    def preprocess(ds: xr.Dataset) -> xr.Dataset:
+        return ds[["t2m", "u10"]].isel(lat=slice(0, 5))
+
+    kwargs: dict[str, Any] = dict(combine="nested", concat_dim="time", preprocess=preprocess)
+    gds = xr.open_mfdataset(parts, engine="gds-zarr", device=device, **kwargs)
+    ref = xr.open_mfdataset(parts, engine="zarr", **kwargs)
+    xr.testing.assert_identical(gds.load().as_numpy(), ref.load())
+
+
+def test_open_mfdataset_new_concat_dim(parts: list[Path]) -> None:
+    kwargs: dict[str, Any] = dict(combine="nested", concat_dim="member", data_vars="all")
+    gds = xr.open_mfdataset(parts[:2], engine="gds-zarr", device="cpu", **kwargs)
+    ref = xr.open_mfdataset(parts[:2], engine="zarr", **kwargs)
+    assert gds.sizes["member"] == 2
+    xr.testing.assert_identical(gds.load(), ref.load())
+
+
+def test_open_mfdataset_missing_store_is_named(parts: list[Path], tmp_path: Path) -> None:
+    missing = tmp_path / "nope.zarr"
+    with pytest.raises(FileNotFoundError, match="nope.zarr"):
+        xr.open_mfdataset([parts[0], missing], engine="gds-zarr", device="cpu")
+
+
+def test_open_mfdataset_mismatch_gives_xarrays_error(parts: list[Path], tmp_path: Path) -> None:
+    odd = tmp_path / "odd.zarr"
+    sample_dataset().isel(time=slice(0, 3)).rename(lat="latitude").to_zarr(odd, zarr_format=3)
+    paths = [parts[1], odd]
+    with pytest.raises(Exception) as ref_err:
+        xr.open_mfdataset(paths, engine="zarr", combine="by_coords")
+    with pytest.raises(type(ref_err.value)):
+        xr.open_mfdataset(paths, engine="gds-zarr", device="cpu", combine="by_coords")
+
+
+@pytest.fixture(scope="module")
+def cluster_client() -> Iterator[Any]:
+    distributed = pytest.importorskip("distributed")
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client
+
+
+def test_local_cluster_end_to_end(parts: list[Path], cluster_client: Any) -> None:
+    """Workers in other processes open, read and reduce the stores themselves."""
+    gds = xr.open_mfdataset(parts, engine="gds-zarr", device="cpu", parallel=True)
+    ref = xr.open_mfdataset(parts, engine="zarr", parallel=True)
+    got = gds.t2m.mean("time").compute()
+    want = ref.t2m.mean("time").compute()
+    xr.testing.assert_identical(got, want)
+    assert isinstance(got.data, np.ndarray)
+    who = cluster_client.run(lambda: __import__("os").getpid())
+    assert len(set(who.values())) == 2
