@@ -100,7 +100,7 @@ def test_open_mfdataset_new_concat_dim(parts: list[Path]) -> None:
 
 def test_open_mfdataset_missing_store_is_named(parts: list[Path], tmp_path: Path) -> None:
     missing = tmp_path / "nope.zarr"
-    with pytest.raises(FileNotFoundError, match="nope.zarr"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.zarr"):
         xr.open_mfdataset([parts[0], missing], engine="gds-zarr", device="cpu")
 
 
