@@ -136,3 +136,24 @@ def test_local_cluster_end_to_end(parts: list[Path], cluster_client: Any) -> Non
     assert isinstance(got.data, np.ndarray)
     who = cluster_client.run(lambda: __import__("os").getpid())
     assert len(set(who.values())) == 2
+
+
+def test_chunk_manager_gives_device_meta(v3_store: Path, device: str) -> None:
+    import xarray_gds
+    import xarray_gds.chunks
+
+    plain = xr.open_dataset(v3_store, engine="gds-zarr", device=device)
+    assert xarray_gds.chunks.device_of(plain.t2m.variable._data) == device
+    assert xarray_gds.chunks.device_of(plain.valid_time.variable._data) is None
+    manager = xarray_gds.GdsDaskManager()
+    kw: dict[str, Any] = {"chunks": {}, "chunked_array_type": manager}
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device, **kw)
+    meta = gds.t2m.data._meta
+    assert hasattr(meta, "__cuda_array_interface__") == (device == "cuda")
+    assert isinstance(gds.valid_time.data._meta, np.ndarray)  # times stay on the host
+    _blocks_on(gds, device)
+    reduced = gds.t2m.mean("time")
+    assert hasattr(reduced.data._meta, "__cuda_array_interface__") == (device == "cuda")
+    ref = xr.open_dataset(v3_store, engine="zarr", chunks={})
+    xr.testing.assert_identical(gds.load().as_numpy(), ref.load())
+    xr.testing.assert_allclose(reduced.compute().as_numpy(), ref.t2m.mean("time").compute())

@@ -8,6 +8,7 @@ package loads no CUDA library; see :mod:`xarray_gds.device`.
 from __future__ import annotations
 
 from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
+from xarray_gds.chunks import GdsDaskManager
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import GdsStore
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChunkDecodeError",
+    "GdsDaskManager",
     "GdsStore",
     "GdsZarrBackendEntrypoint",
     "NoCudaDeviceError",

@@ -144,6 +144,14 @@ class HostDecodedArray(BackendArray):
         self.shape = tuple(decoded.shape)
         self.dtype = decoded.dtype
 
+    @property
+    def device(self) -> _device.Device:
+        return self._device
+
+    def get_array(self) -> Any:
+        """xarray's lazily decoded host array."""
+        return self._decoded
+
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         values = np.asarray(self._decoded[key])
         return _device.array_module(self._device).asarray(values)
