@@ -157,3 +157,27 @@ def test_chunk_manager_gives_device_meta(v3_store: Path, device: str) -> None:
     ref = xr.open_dataset(v3_store, engine="zarr", chunks={})
     xr.testing.assert_identical(gds.load().as_numpy(), ref.load())
     xr.testing.assert_allclose(reduced.compute().as_numpy(), ref.t2m.mean("time").compute())
+
+
+@pytest.mark.gpu
+def test_local_cuda_cluster_end_to_end(parts: list[Path]) -> None:
+    """A dask-cuda worker (one per GPU) reads and decodes on its own GPU."""
+    dask_cuda = pytest.importorskip("dask_cuda")
+    distributed = pytest.importorskip("distributed")
+    import xarray_gds
+
+    with (
+        dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as cluster,
+        distributed.Client(cluster),
+    ):
+        gds = xr.open_mfdataset(
+            parts,
+            engine="gds-zarr",
+            device="cuda",
+            parallel=True,
+            chunked_array_type=xarray_gds.GdsDaskManager(),
+        )
+        got = gds.t2m.mean("time").compute()
+    assert hasattr(got.data, "__cuda_array_interface__")
+    ref = xr.open_mfdataset(parts, engine="zarr", parallel=True).t2m.mean("time").compute()
+    xr.testing.assert_allclose(got.as_numpy(), ref)
