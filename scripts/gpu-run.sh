@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (see docs/development.md), from the repository root,
+# after `PATH=$PWD/.venv/bin:$PATH ../shared/gpu/prepare cftime==1.6.6.1` here:
+#   run(command="bash scripts/gpu-run.sh [tests|bench|all]", carry=[".whl"])
+# Installs the carried wheels, then runs the whole suite with XARRAY_GDS_REQUIRE_GPU=1
+# and/or `xarray-gds bench`, writing logs and results under $OUT.
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-/tmp/xarray-gds-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  XARRAY_GDS_REQUIRE_GPU=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    --timeout 120 --tb=short -rf tests > "$out/gpu-tests.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
+  timeout 60 python3 -m xarray_gds.cli demo --device cuda > "$out/demo.txt" 2>&1 || rc=1
+  tail -5 "$out/demo.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 400 python3 -m xarray_gds.cli bench --size-gb 2 --repeat 3 \
+    --json "$out/bench.json" 2>&1 | grep -v -i warn | tee "$out/bench.txt" || rc=1
+fi
+exit $rc
