@@ -256,3 +256,47 @@ def test_sharded_partial_reads_touch_only_needed_inner_chunks(
     assert len(ranges) == 3  # four inner chunks, one of them never written
     xr.testing.assert_identical(block.as_numpy(), ref.v.isel(y=slice(0, 8), x=slice(0, 8)))
     xr.testing.assert_identical(to_numpy(gds), ref.load())
+
+
+def test_whole_chunks_are_tiled_in_one_copy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, device: str
+) -> None:
+    path = tmp_path / "even.zarr"
+    data = np.arange(8 * 12 * 10, dtype="i4").reshape(8, 12, 10)
+    xr.Dataset({"v": (("a", "b", "c"), data)}).to_zarr(
+        path, zarr_format=3, encoding={"v": {"chunks": (4, 3, 5)}}
+    )
+    tiled: list[bool] = []
+    real = pipeline._tile
+
+    def spy(*args: Any) -> bool:
+        tiled.append(real(*args))
+        return tiled[-1]
+
+    monkeypatch.setattr(pipeline, "_tile", spy)
+    gds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    ref = xr.open_dataset(path, engine="zarr")
+    xr.testing.assert_identical(to_numpy(gds), ref.load())
+    assert tiled == [True]  # all 16 chunks in one reshape
+    tiled.clear()
+    fresh = xr.open_dataset(path, engine="gds-zarr", device=device)  # nothing cached
+    part = fresh.v.isel(a=slice(0, 4), b=slice(2, 9)).load()  # partial chunks: per chunk
+    assert tiled == [False]
+    xr.testing.assert_identical(part.as_numpy(), ref.v.isel(a=slice(0, 4), b=slice(2, 9)))
+
+
+def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
+    chunk = (2, 3)
+    whole = np.arange(4 * 9).reshape(4, 9)
+    cells = [(1, 2), (0, 0), (1, 0), (0, 2), (0, 1), (1, 1)]
+    chunks = np.stack([whole[r * 2 : r * 2 + 2, c * 3 : c * 3 + 3] for r, c in cells])
+    entries = [
+        (None, None, (), (slice(r * 2, r * 2 + 2), slice(c * 3, c * 3 + 3)), True) for r, c in cells
+    ]
+    target = np.zeros_like(whole)
+    assert pipeline._tile(target, chunks, entries, (), np)
+    np.testing.assert_array_equal(target, whole)
+    assert chunks.shape[1:] == chunk
+    # an entry that is not a whole chunk disqualifies the batch
+    entries[0] = (*entries[0][:4], False)
+    assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)

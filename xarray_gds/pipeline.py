@@ -361,8 +361,6 @@ def _shards_sync(
     for j, (s, f) in enumerate(plan):
         rows.setdefault(s, []).append((f, j))
     n_inner = math.prod(grid)
-    ndim = len(grid)
-    interleave = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
     results: list[GetResult] = []
     for s, (_, spec, chunk_sel, out_sel, _) in enumerate(part):
         if indexes[s] is None:
@@ -373,8 +371,7 @@ def _shards_sync(
         if len(have) == n_inner:
             # every inner chunk present: one reshape/transpose builds the shard
             js = [j for _, j in have]
-            tiles = decoded[js].reshape((*grid, *inner.chunk_shape))
-            shard = tiles.transpose(interleave).reshape(chain.shard_shape)
+            shard = _untile(decoded[js], grid, chain.shard_shape)
         else:
             dtype = inner.dtype.newbyteorder("=")
             shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
@@ -420,6 +417,47 @@ def _decode_host(chain: DecodeChain, chunks: list[Any], keys: list[str]) -> Any:
     return host.stack(chunks, chain.nbytes, keys)
 
 
+def _tile(
+    target: Any, chunks: Any, entries: list[Any], drop_axes: tuple[int, ...], xp: Any
+) -> bool:
+    """Copy whole chunks that tile ``target`` exactly with one reshape (one kernel)
+    instead of one copy per chunk. Returns False when the batch does not qualify."""
+    if drop_axes or len(entries) < 2 or not all(e[4] for e in entries):
+        return False
+    chunk_shape = chunks.shape[1:]
+    if len(chunk_shape) != target.ndim:
+        return False
+    starts = []
+    for _, _, _, out_sel, _ in entries:
+        if not all(isinstance(s, slice) and s.step in (None, 1) for s in out_sel):
+            return False
+        starts.append([s.start or 0 for s in out_sel])
+    origin = np.asarray(starts, dtype=np.int64)
+    if np.any(origin % chunk_shape):
+        return False
+    cells = origin // chunk_shape
+    grid = tuple(int(g) for g in cells.max(axis=0) + 1)
+    if math.prod(grid) != len(entries) or tuple(
+        g * c for g, c in zip(grid, chunk_shape, strict=True)
+    ) != tuple(target.shape):
+        return False
+    order = np.ravel_multi_index(tuple(cells.T), grid)
+    if len(np.unique(order)) != len(entries):
+        return False
+    perm = np.argsort(order)
+    if np.any(perm != np.arange(len(perm))):
+        chunks = chunks[xp.asarray(perm)]
+    target[...] = _untile(chunks, grid, tuple(target.shape))
+    return True
+
+
+def _untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """Chunks ``(n, *chunk_shape)`` in C order of ``grid`` as one array of ``shape``."""
+    ndim = len(grid)
+    axes = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
+    return chunks.reshape((*grid, *chunks.shape[1:])).transpose(axes).reshape(shape)
+
+
 def _decode_and_scatter(
     chain: DecodeChain,
     batch: list[Any],
@@ -445,12 +483,13 @@ def _decode_and_scatter(
         for f in chain.filters:
             data = f.apply(data, xp)
         chunks = chain.finish(data, xp)
-        for j, i in enumerate(present):
-            _, _, chunk_sel, out_sel, _ = batch[i]
-            value = chunks[j][chunk_sel]
-            if drop_axes:
-                value = value.squeeze(axis=drop_axes)
-            target[out_sel] = value
+        entries = [batch[i] for i in present]
+        if not _tile(target, chunks, entries, drop_axes, xp):
+            for j, (_, _, chunk_sel, out_sel, _) in enumerate(entries):
+                value = chunks[j][chunk_sel]
+                if drop_axes:
+                    value = value.squeeze(axis=drop_axes)
+                target[out_sel] = value
     present_set = set(present)
     results: list[GetResult] = []
     for i, (_, spec, _, out_sel, _) in enumerate(batch):
