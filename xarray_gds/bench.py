@@ -143,9 +143,9 @@ def raw_limit(path: Path) -> None:
 
     arr = zarr.open_array(path / "t", mode="r")
     chain = plan_chain(arr.metadata)
-    files = sorted(p for p in (path / "t").rglob("*") if p.is_file() and p.name != "zarr.json")
+    files = sorted(str(p) for p in (path / "t").rglob("*") if p.is_file() and p.name != "zarr.json")
     batch = read_files_device(files)
-    nvcomp.decode(chain, batch, list(range(len(files))), [str(f) for f in files])  # type: ignore[arg-type]
+    nvcomp.decode(chain, batch, list(range(len(files))), files)  # type: ignore[arg-type]
 
 
 def _case(
