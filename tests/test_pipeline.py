@@ -269,9 +269,11 @@ def test_whole_chunks_are_tiled_in_one_copy(
     tiled: list[bool] = []
     real = pipeline._tile
 
-    def spy(*args: Any) -> bool:
-        tiled.append(real(*args))
-        return tiled[-1]
+    def spy(target: Any, *args: Any) -> bool:
+        done = real(target, *args)
+        if target.shape in ((8, 12, 10), (4, 7, 10)):  # this test's reads only
+            tiled.append(done)
+        return done
 
     monkeypatch.setattr(pipeline, "_tile", spy)
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
