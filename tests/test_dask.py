@@ -181,3 +181,22 @@ def test_local_cuda_cluster_end_to_end(parts: list[Path]) -> None:
     assert hasattr(got.data, "__cuda_array_interface__")
     ref = xr.open_mfdataset(parts, engine="zarr", parallel=True).t2m.mean("time").compute()
     xr.testing.assert_allclose(got.as_numpy(), ref)
+
+
+def test_parallel_opens_leave_zarrs_configuration_alone(parts: list[Path]) -> None:
+    """Opening stores from many threads at once must restore zarr's codec pipeline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zarr
+
+    default = zarr.config.get("codec_pipeline.path")
+
+    def open_one(path: Path) -> xr.Dataset:
+        return xr.open_dataset(path, engine="gds-zarr", device="cpu")
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            list(pool.map(open_one, parts * 4))
+    assert zarr.config.get("codec_pipeline.path") == default
+    pipeline = zarr.open_array(parts[0] / "t2m", mode="r")._async_array.codec_pipeline
+    assert type(pipeline).__name__ != "GdsCodecPipeline"

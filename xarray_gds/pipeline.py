@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import math
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Self
@@ -51,10 +52,18 @@ def batch_bytes() -> int:
     return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", 1 << 30))
 
 
+_config_lock = threading.RLock()
+
+
 @contextlib.contextmanager
 def use_gds_pipeline() -> Iterator[None]:
-    """Arrays opened inside this context read through :class:`GdsCodecPipeline`."""
-    with zarr.config.set({"codec_pipeline.path": _PATH}):
+    """Arrays opened inside this context read through :class:`GdsCodecPipeline`.
+
+    zarr's configuration is process-wide: two threads that set and restore it in
+    interleaved order would leave it set for good (``open_mfdataset(parallel=True)``
+    opens stores from several threads), so the setting is held under a lock.
+    """
+    with _config_lock, zarr.config.set({"codec_pipeline.path": _PATH}):
         yield
 
 
