@@ -12,25 +12,37 @@ import numpy as np
 
 from xarray_gds.errors import ChunkDecodeError
 
-__all__ = ["PEEK", "check", "zstd_content_size"]
+__all__ = ["PEEK", "check", "zstd_content_sizes"]
 
 PEEK = 18  #: bytes of each chunk needed (the longest zstd frame header)
 _ZSTD_MAGIC = 0xFD2FB528
 _MIN_SIZE = {"zstd": 9, "lz4": 5, "zlib": 7, "gzip": 18}
 
 
-def zstd_content_size(head: np.ndarray) -> int | None:
-    """Frame content size from a zstd frame header, or None if the frame omits it."""
-    fhd = int(head[4])
-    fcs_flag = fhd >> 6
+def zstd_content_sizes(heads: np.ndarray) -> np.ndarray:
+    """Frame content size declared by each zstd frame header; -1 where omitted.
+
+    ``heads`` is ``(n, PEEK)`` uint8; all chunks are handled at once (no Python loop
+    per chunk).
+    """
+    fhd = heads[:, 4].astype(np.int64)
     single = (fhd >> 5) & 1
-    dict_id_bytes = (0, 1, 2, 4)[fhd & 3]
-    pos = 5 + (0 if single else 1) + dict_id_bytes
-    width = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    if width == 0:
-        return None
-    value = int.from_bytes(bytes(head[pos : pos + width]), "little")
-    return value + 256 if width == 2 else value
+    dict_bytes = np.array([0, 1, 2, 4])[fhd & 3]
+    flag = fhd >> 6
+    width = np.where(flag == 0, single, np.array([0, 2, 4, 8])[flag])
+    pos = 5 + (1 - single) + dict_bytes
+    value = np.zeros(len(heads), dtype=np.uint64)
+    rows = np.arange(len(heads))
+    for b in range(8):  # little-endian bytes, up to the widest field
+        byte = heads[rows, np.minimum(pos + b, heads.shape[1] - 1)].astype(np.uint64)
+        value |= np.where(b < width, byte, 0).astype(np.uint64) << np.uint64(8 * b)
+    sizes = value.astype(np.int64) + np.where(width == 2, 256, 0)
+    return np.where(width == 0, -1, sizes)
+
+
+def _first_bad(bad: np.ndarray) -> int | None:
+    where = np.flatnonzero(bad)
+    return int(where[0]) if where.size else None
 
 
 def check(
@@ -62,38 +74,41 @@ def check(
     ChunkDecodeError
         A chunk is too short, has a bad header, or declares another decoded size.
     """
-    minimum = _MIN_SIZE[name]
-    for size, key in zip(sizes.tolist(), keys, strict=True):
-        if size < minimum:
-            raise ChunkDecodeError(key, name, f"{size} bytes is too short for a {name} stream")
+    if name not in _MIN_SIZE:
+        raise ValueError(f"unknown stream format {name!r}")
+    sizes = np.asarray(sizes)
+    j = _first_bad(sizes < _MIN_SIZE[name])
+    if j is not None:
+        raise ChunkDecodeError(
+            keys[j], name, f"{int(sizes[j])} bytes is too short for a {name} stream"
+        )
+    h = heads.astype(np.int64)
+    word = h[:, 0] | h[:, 1] << 8 | h[:, 2] << 16 | h[:, 3] << 24  # first 4 bytes, LE
     if name == "zstd":
-        magic = np.ascontiguousarray(heads[:, :4]).view("<u4")[:, 0]
-        for i, key in enumerate(keys):
-            if int(magic[i]) != _ZSTD_MAGIC:
-                raise ChunkDecodeError(key, name, "not a zstd frame (bad magic number)")
-            declared = zstd_content_size(heads[i])
-            if declared is not None and declared != nbytes:
-                raise ChunkDecodeError(
-                    key, name, f"frame declares {declared} decoded bytes, expected {nbytes}"
-                )
+        j = _first_bad(word != _ZSTD_MAGIC)
+        if j is not None:
+            raise ChunkDecodeError(keys[j], name, "not a zstd frame (bad magic number)")
+        declared = zstd_content_sizes(heads)
+        j = _first_bad((declared >= 0) & (declared != nbytes))
+        if j is not None:
+            raise ChunkDecodeError(
+                keys[j], name, f"frame declares {int(declared[j])} decoded bytes, expected {nbytes}"
+            )
         return 0, 0
     if name == "lz4":
-        prefix = np.ascontiguousarray(heads[:, :4]).view("<u4")[:, 0]
-        for i, key in enumerate(keys):
-            if int(prefix[i]) != nbytes:
-                raise ChunkDecodeError(
-                    key, name, f"size prefix says {int(prefix[i])} bytes, expected {nbytes}"
-                )
+        j = _first_bad(word != nbytes)
+        if j is not None:
+            raise ChunkDecodeError(
+                keys[j], name, f"size prefix says {int(word[j])} bytes, expected {nbytes}"
+            )
         return 4, 4
     if name == "zlib":
-        for i, key in enumerate(keys):
-            cmf, flg = int(heads[i, 0]), int(heads[i, 1])
-            if cmf & 0x0F != 8 or (cmf * 256 + flg) % 31 or flg & 0x20:
-                raise ChunkDecodeError(key, name, "bad zlib header")
+        cmf, flg = h[:, 0], h[:, 1]
+        j = _first_bad(((cmf & 0x0F) != 8) | ((cmf * 256 + flg) % 31 != 0) | ((flg & 0x20) != 0))
+        if j is not None:
+            raise ChunkDecodeError(keys[j], name, "bad zlib header")
         return 2, 6
-    if name == "gzip":
-        for i, key in enumerate(keys):
-            if heads[i, 0] != 0x1F or heads[i, 1] != 0x8B or heads[i, 2] != 8:
-                raise ChunkDecodeError(key, name, "bad gzip header")
-        return 0, 0
-    raise ValueError(f"unknown stream format {name!r}")
+    j = _first_bad((h[:, 0] != 0x1F) | (h[:, 1] != 0x8B) | (h[:, 2] != 8))  # gzip
+    if j is not None:
+        raise ChunkDecodeError(keys[j], name, "bad gzip header")
+    return 0, 0
