@@ -302,3 +302,60 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
     # an entry that is not a whole chunk disqualifies the batch
     entries[0] = (*entries[0][:4], False)
     assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)
+
+
+def test_large_reads_overlap_fetch_and_decode(
+    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str
+) -> None:
+    """A read split into parts fetches part k + 1 while part k decodes."""
+    import threading
+
+    monkeypatch.setattr(pipeline, "_MIN_PART_BYTES", 1)
+    monkeypatch.setenv("XARRAY_GDS_PIPELINE_PARTS", "3")
+    fetch_started: list[threading.Event] = [threading.Event() for _ in range(3)]
+    parts: list[int] = []
+    real_fetch, real_decode = pipeline._fetch, pipeline._decode_and_scatter
+
+    async def spy_fetch(part: list, keys: list, on_device: bool) -> Any:
+        if keys[0].startswith("t2m/"):
+            fetch_started[sum(e.is_set() for e in fetch_started)].set()
+        return await real_fetch(part, keys, on_device)
+
+    def spy_decode(chain: Any, batch: list, keys: list, *args: Any) -> Any:
+        if keys[0].startswith("t2m/"):
+            k = len(parts)
+            parts.append(len(batch))
+            if k + 1 < 3:
+                # the next part's read is already under way while this part decodes
+                assert fetch_started[k + 1].wait(timeout=30)
+        return real_decode(chain, batch, keys, *args)
+
+    monkeypatch.setattr(pipeline, "_fetch", spy_fetch)
+    monkeypatch.setattr(pipeline, "_decode_and_scatter", spy_decode)
+    got = xr.open_dataset(v3_store, engine="gds-zarr", device=device).t2m.load()
+    assert parts == [9, 9, 9]
+    xr.testing.assert_identical(got.as_numpy(), xr.open_dataset(v3_store, engine="zarr").t2m)
+
+
+def test_damaged_inner_chunk_is_named(tmp_path: Path, store_factory: Callable, device: str) -> None:
+    path = tmp_path / "damaged.zarr"
+    shutil.copytree(store_factory(3, "sharded"), path)
+    arr = zarr.open_array(path / "t2m", mode="r")
+    inner = arr.chunks
+    shard = path / "t2m" / "c" / "1" / "1" / "1"
+    raw = bytearray(shard.read_bytes())
+    # the index (at the end, with its crc32c) gives each inner chunk's offset and size
+    grid = tuple(s // c for s, c in zip(arr.shards, inner, strict=True))
+    n_inner = int(np.prod(grid))
+    index = np.frombuffer(bytes(raw[-(16 * n_inner + 4) : -4]), dtype="<u8").reshape(-1, 2)
+    target = int(np.flatnonzero(index[:, 0] != np.iinfo(np.uint64).max)[-1])
+    offset, nbytes = (int(v) for v in index[target])
+    raw[offset : offset + nbytes] = b"\x00" * nbytes  # zeros: not a zstd frame
+    shard.write_bytes(bytes(raw))
+    coords = tuple(int(i) for i in np.unravel_index(target, grid))
+    ds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    with pytest.raises(ChunkDecodeError, match=r"t2m/c/1/1/1 \(inner chunk") as err:
+        ds.t2m.load()
+    assert f"inner chunk {coords}" in str(err.value)
+    ref = xr.open_dataset(path, engine="zarr")
+    xr.testing.assert_identical(to_numpy(ds.u10), ref.u10.load())

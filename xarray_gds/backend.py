@@ -19,7 +19,7 @@ from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
-from xarray_gds.array import GdsBackendArray, HostDecodedArray
+from xarray_gds.array import DeviceLazilyIndexedArray, GdsBackendArray, HostDecodedArray
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
@@ -172,7 +172,12 @@ def _dataset_from_store(
                 # host and move the result (see HostDecodedArray).
                 else HostDecodedArray(var._data, device)
             )
-            var = xr.Variable(var.dims, indexing.LazilyIndexedArray(lazy), var.attrs, var.encoding)
+            wrapped = (
+                DeviceLazilyIndexedArray(lazy)
+                if device == "cuda"
+                else indexing.LazilyIndexedArray(lazy)
+            )
+            var = xr.Variable(var.dims, wrapped, var.attrs, var.encoding)
         if name in coord_names or var.dims == (name,):
             coord_vars[name] = var
         else:

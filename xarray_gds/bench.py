@@ -148,16 +148,42 @@ def raw_limit(path: Path) -> None:
     nvcomp.decode(chain, batch, list(range(len(files))), files)  # type: ignore[arg-type]
 
 
+def _mf_paths(path: Path, n: int) -> list[Path]:
+    return [path] + [path.with_name(f"{path.stem}-{i}.zarr") for i in range(1, n)]
+
+
+def _copies(path: Path, n: int) -> list[Path]:
+    """``path`` and ``n - 1`` copies of it: the stores of an open_mfdataset case."""
+    paths = _mf_paths(path, n)
+    for copy in paths[1:]:
+        shutil.copytree(path, copy)
+    return paths
+
+
+def _mean_gds(paths: list[Path]) -> Any:
+    ds = xr.open_mfdataset(paths, engine="gds-zarr", combine="nested", concat_dim="time")
+    return ds["t"].mean("time").compute().data
+
+
+def _mean_zarr(paths: list[Path]) -> Any:
+    ds = xr.open_mfdataset(paths, engine="zarr", combine="nested", concat_dim="time")
+    # cupy-xarray's ``as_cupy()`` does this: each dask block moves to the GPU
+    cp = _device.cupy()
+    t = ds["t"].copy(data=ds["t"].data.map_blocks(cp.asarray))
+    return t.mean("time").compute().data
+
+
 def _case(
     name: str,
     path: Path,
     repeat: int,
     contenders: dict[str, Callable[[], Any]],
     warm_all: bool = True,
+    n_stores: int = 1,
 ) -> Result:
     arr = zarr.open_array(path / "t", mode="r")
-    nbytes = arr.nbytes
-    result = Result(name, int(nbytes), int(arr.nchunks))
+    nbytes = arr.nbytes * n_stores
+    result = Result(name, int(nbytes), int(arr.nchunks) * n_stores)
     for k, (label, fn) in enumerate(contenders.items()):
         if warm_all or k == 0:
             fn()  # warm up: page cache, imports, CUDA context, nvCOMP handles
@@ -187,14 +213,20 @@ def run(
             path = make_store(
                 tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"]
             )
-            contenders = spec["contenders"](path)
+            n_stores = spec.get("stores", 1)
+            target: Any = _copies(path, n_stores) if n_stores > 1 else path
+            contenders = spec["contenders"](target)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
+                warnings.simplefilter("ignore", FutureWarning)
                 rep = spec.get("repeat", repeat)
-                results.append(_case(name, path, rep, contenders, spec.get("warm_all", True)))
+                results.append(
+                    _case(name, path, rep, contenders, spec.get("warm_all", True), n_stores)
+                )
             if on_result is not None:
                 on_result(results[-1])
-            shutil.rmtree(path, ignore_errors=True)
+            for p in _mf_paths(path, n_stores):
+                shutil.rmtree(p, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
@@ -220,11 +252,21 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, True),
         },
     },
+    "mfdataset-50": {
+        "gpu": True,
+        "scale": 0.02,  # per store: 50 stores of 40 MB for --size-gb 2
+        "stores": 50,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": lambda ps: {
+            "gds-zarr": lambda: _mean_gds(ps),
+            "zarr": lambda: _mean_zarr(ps),
+        },
+    },
     "small-chunks": {
         "gpu": True,
         "repeat": 1,
         "warm_all": False,  # the first contender's warm-up fills the page cache
-        "scale": 0.05,
+        "scale": 0.1,  # about 100,000 chunks of 1 KiB for --size-gb 2
         "store": {"chunk_bytes": 1 << 10},
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
@@ -235,7 +277,7 @@ CASES: dict[str, dict[str, Any]] = {
         "gpu": False,
         "repeat": 1,
         "warm_all": False,
-        "scale": 0.01,
+        "scale": 0.02,
         "store": {"chunk_bytes": 1 << 10},
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cpu"),

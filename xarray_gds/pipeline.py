@@ -17,7 +17,8 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Self
 
 import numpy as np
@@ -34,7 +35,7 @@ from zarr.registry import register_pipeline
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.store import GdsStore, read_ranges_device, read_ranges_host
+from xarray_gds.store import DeviceBatch, GdsStore, read_ranges_device, read_ranges_host
 
 __all__ = ["GdsCodecPipeline", "batch_bytes", "use_gds_pipeline"]
 
@@ -163,18 +164,18 @@ class GdsCodecPipeline(CodecPipeline):
         if isinstance(chain, ShardChain):
             return await _read_shards(chain, batch, out, drop_axes, on_device)
         assert isinstance(chain, DecodeChain)
-        per_batch = max(1, _budget(on_device) // max(1, chain.nbytes))
-        results: list[GetResult] = []
-        for start in range(0, len(batch), per_batch):
-            part = batch[start : start + per_batch]
-            keys = [bg.path for bg, *_ in part]
-            fetched = await _fetch(part, keys, on_device)
-            results.extend(
-                await asyncio.to_thread(
-                    _decode_and_scatter, chain, part, keys, fetched, out, drop_axes, on_device
-                )
+        parts = _split(batch, _part_chunks(len(batch), chain.nbytes, on_device))
+        keys = [[bg.path for bg, *_ in part] for part in parts]
+
+        def fetch(k: int) -> Any:
+            return _fetch(parts[k], keys[k], on_device)
+
+        def decode(k: int, fetched: Any) -> Any:
+            return asyncio.to_thread(
+                _decode_and_scatter, chain, parts[k], keys[k], fetched, out, drop_axes, on_device
             )
-        return tuple(results)
+
+        return await _overlapped(len(parts), fetch, decode)
 
     async def _host_then_copy(
         self, batch: list[Any], out: Any, drop_axes: tuple[int, ...]
@@ -233,6 +234,51 @@ def _budget(on_device: bool) -> int:
     return budget
 
 
+def pipeline_parts() -> int:
+    """Parts a large read is split into (``XARRAY_GDS_PIPELINE_PARTS``, default 4), so
+    that part ``k + 1`` is read while part ``k`` decodes."""
+    return max(1, int(os.environ.get("XARRAY_GDS_PIPELINE_PARTS", 4)))
+
+
+#: Reads smaller than this are not split: a decode call needs many chunks to fill the GPU.
+_MIN_PART_BYTES = 64 << 20
+
+
+def _part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
+    """Chunks per part of a read of ``n_chunks`` chunks of ``chunk_nbytes`` decoded bytes."""
+    chunk_nbytes = max(1, chunk_nbytes)
+    total = n_chunks * chunk_nbytes
+    target = min(_budget(on_device), max(_MIN_PART_BYTES, -(-total // pipeline_parts())))
+    return max(1, target // chunk_nbytes)
+
+
+def _split(batch: list[Any], per_part: int) -> list[list[Any]]:
+    return [batch[i : i + per_part] for i in range(0, len(batch), per_part)]
+
+
+async def _overlapped(
+    n: int,
+    fetch: Callable[[int], Awaitable[Any]],
+    decode: Callable[[int, Any], Awaitable[Iterable[GetResult]]],
+) -> tuple[GetResult, ...]:
+    """Run ``decode(k, await fetch(k))`` for ``k < n`` with ``fetch(k + 1)`` in flight
+    while part ``k`` decodes; at most two parts' fetched bytes are alive at once."""
+    results: list[GetResult] = []
+    pending: asyncio.Future[Any] | None = asyncio.ensure_future(fetch(0))
+    try:
+        for k in range(n):
+            assert pending is not None
+            fetched = await pending
+            pending = asyncio.ensure_future(fetch(k + 1)) if k + 1 < n else None
+            results.extend(await decode(k, fetched))
+    finally:
+        if pending is not None:
+            # a failed decode: let the read in flight finish before the error propagates
+            with contextlib.suppress(Exception):
+                await pending
+    return tuple(results)
+
+
 async def _fetch(part: list[Any], keys: list[str], on_device: bool) -> Any:
     """Encoded bytes of the chunks of ``part``: a DeviceBatch on the GPU, else a list."""
     store = part[0][0].store
@@ -280,35 +326,75 @@ async def _read_shards(
 ) -> tuple[GetResult, ...]:
     """Read shards: indexes on the host, then the touched inner chunks of every shard by
     byte range, all decoded in one batch and assembled shard by shard."""
-    per_batch = max(1, _budget(on_device) // max(1, chain.nbytes))
-    results: list[GetResult] = []
-    for start in range(0, len(batch), per_batch):
-        part = batch[start : start + per_batch]
+    parts = _split(batch, _part_chunks(len(batch), chain.nbytes, on_device))
+
+    async def fetch(k: int) -> Any:
+        part = parts[k]
         indexes = await asyncio.gather(*(_shard_index(chain, bg) for bg, *_ in part))
-        plan, starts, sizes, keys = _shard_plan(chain, part, indexes)
+        plan = _shard_plan(chain, part, indexes)
         fetched: Any = None
-        if plan and not isinstance(part[0][0].store, GdsStore):
-            fetched = await _get_ranges(part, plan, starts, sizes, on_device)
-        planned = (plan, starts, sizes, keys, fetched)
-        results.extend(
-            await asyncio.to_thread(
-                _shards_sync, chain, part, indexes, planned, out, drop_axes, on_device
-            )
+        if len(plan.sizes):
+            store = part[0][0].store
+            if isinstance(store, GdsStore):
+                paths = [store.resolve(part[s][0].path) for s in plan.shard.tolist()]
+                reader = read_ranges_device if on_device else read_ranges_host
+                fetched = await asyncio.to_thread(reader, paths, plan.starts, plan.sizes)
+            else:
+                fetched = await _get_ranges(part, plan, on_device)
+        return indexes, plan, fetched
+
+    def decode(k: int, fetched: Any) -> Any:
+        indexes, plan, data = fetched
+        return asyncio.to_thread(
+            _shards_sync, chain, parts[k], indexes, plan, data, out, drop_axes, on_device
         )
-    return tuple(results)
+
+    return await _overlapped(len(parts), fetch, decode)
 
 
-def _shard_plan(
-    chain: ShardChain, part: list[Any], indexes: list[np.ndarray | None]
-) -> tuple[list[tuple[int, int]], list[int], list[int], list[str]]:
-    """The inner chunks to read: (shard, flat inner index), file offsets, sizes, keys."""
+class _InnerKeys(Sequence[str]):
+    """Names of inner chunks for error messages, formatted only when one is needed."""
+
+    def __init__(self, shard_keys: list[str], plan: _ShardPlan, grid: tuple[int, ...]) -> None:
+        self._shard_keys = shard_keys
+        self._plan = plan
+        self._grid = grid
+
+    def __len__(self) -> int:
+        return len(self._plan.sizes)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        j = range(len(self))[j]
+        coords = tuple(int(i) for i in np.unravel_index(int(self._plan.flat[j]), self._grid))
+        return f"{self._shard_keys[int(self._plan.shard[j])]} (inner chunk {coords})"
+
+
+@dataclass
+class _ShardPlan:
+    """The inner chunks a read needs, in (shard, flat inner index) order.
+
+    ``shard`` indexes the part's shards, ``flat`` the inner chunk grid (C order);
+    ``starts`` and ``sizes`` are their byte ranges in the shard; ``keys`` name them.
+    """
+
+    shard: np.ndarray
+    flat: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    keys: Sequence[str] = ()
+
+
+def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[np.ndarray | None]) -> _ShardPlan:
+    """The inner chunks to read from the shards of ``part`` (vectorized per shard)."""
     inner = chain.inner
     grid = chain.grid
     missing = np.iinfo(np.uint64).max
-    plan: list[tuple[int, int]] = []
-    starts: list[int] = []
-    sizes: list[int] = []
-    keys: list[str] = []
+    shards: list[np.ndarray] = []
+    flats: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
     for s, ((bg, _, chunk_sel, _, _), index) in enumerate(zip(part, indexes, strict=True)):
         if index is None:
             continue
@@ -317,24 +403,33 @@ def _shard_plan(
             for sel, n, c in zip(chunk_sel, chain.shard_shape, inner.chunk_shape, strict=True)
         ]
         flat = np.ravel_multi_index(np.ix_(*axes), grid).reshape(-1)
-        table = index.reshape(-1, 2)
-        for f in flat.tolist():
-            offset, nbytes = (int(v) for v in table[f])
-            if offset == missing and nbytes == missing:
-                continue
-            plan.append((s, f))
-            starts.append(offset)
-            sizes.append(nbytes)
-            coords = tuple(int(i) for i in np.unravel_index(f, grid))
-            keys.append(f"{bg.path} (inner chunk {coords})")
-    return plan, starts, sizes, keys
+        table = index.reshape(-1, 2)[flat]
+        keep = ~((table[:, 0] == missing) & (table[:, 1] == missing))
+        flat, table = flat[keep], table[keep]
+        if np.any(table >= 1 << 62):
+            raise ChunkDecodeError(
+                bg.path, "sharding_indexed", "shard index holds an offset or size out of range"
+            )
+        shards.append(np.full(len(flat), s, dtype=np.int64))
+        flats.append(flat.astype(np.int64))
+        starts.append(table[:, 0].astype(np.int64))
+        sizes.append(table[:, 1].astype(np.int64))
+    empty = np.zeros(0, dtype=np.int64)
+
+    def cat(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(arrays) if arrays else empty
+
+    plan = _ShardPlan(cat(shards), cat(flats), cat(starts), cat(sizes))
+    plan.keys = _InnerKeys([bg.path for bg, *_ in part], plan, grid)
+    return plan
 
 
 def _shards_sync(
     chain: ShardChain,
     part: list[Any],
     indexes: list[np.ndarray | None],
-    planned: tuple[list[tuple[int, int]], list[int], list[int], list[str], Any],
+    plan: _ShardPlan,
+    fetched: Any,
     out: Any,
     drop_axes: tuple[int, ...],
     on_device: bool,
@@ -342,33 +437,26 @@ def _shards_sync(
     xp = _device.array_module("cuda" if on_device else "cpu")
     inner = chain.inner
     grid = chain.grid
-    plan, starts, sizes, keys, fetched = planned
-    # fetch (GdsStore) and decode every needed inner chunk of these shards at once
+    n_plan = len(plan.sizes)
+    # decode every needed inner chunk of these shards at once
     decoded: Any = None
-    if plan:
-        store = part[0][0].store
-        if isinstance(store, GdsStore):
-            paths = [store.resolve(part[s][0].path) for s, _ in plan]
-            starts_np = np.asarray(starts, dtype=np.int64)
-            sizes_np = np.asarray(sizes, dtype=np.int64)
-            reader = read_ranges_device if on_device else read_ranges_host
-            fetched = reader(paths, starts_np, sizes_np)
+    if n_plan:
+        keys = plan.keys
         if on_device:
             from xarray_gds.codecs import nvcomp
 
-            if not isinstance(store, GdsStore):
+            if not isinstance(fetched, DeviceBatch):
                 fetched = nvcomp.pack(fetched)
-            data = nvcomp.decode(inner, fetched, list(range(len(plan))), keys)
+            data = nvcomp.decode(inner, fetched, list(range(n_plan)), keys)
         else:
             data = _decode_host(inner, fetched, keys)
         for flt in inner.filters:
             data = flt.apply(data, xp)
         decoded = inner.finish(data, xp)
-    # assemble each shard, then scatter the selection into the output
+    # assemble each shard, then scatter the selection into the output; the plan is
+    # sorted by shard, so each shard's inner chunks are one slice of it
     target = out.as_ndarray_like()
-    rows: dict[int, list[tuple[int, int]]] = {}
-    for j, (s, f) in enumerate(plan):
-        rows.setdefault(s, []).append((f, j))
+    bounds = np.searchsorted(plan.shard, np.arange(len(part) + 1))
     n_inner = math.prod(grid)
     results: list[GetResult] = []
     for s, (_, spec, chunk_sel, out_sel, _) in enumerate(part):
@@ -376,16 +464,15 @@ def _shards_sync(
             target[out_sel] = fill_value_or_default(spec)
             results.append(GetResult(status="missing"))
             continue
-        have = sorted(rows.get(s, []))
-        if len(have) == n_inner:
-            # every inner chunk present: one reshape/transpose builds the shard
-            js = [j for _, j in have]
-            shard = _untile(decoded[js], grid, chain.shard_shape)
+        j0, j1 = int(bounds[s]), int(bounds[s + 1])
+        if j1 - j0 == n_inner:
+            # every inner chunk present, in C order: one reshape/transpose builds the shard
+            shard = _untile(decoded[j0:j1], grid, chain.shard_shape)
         else:
             dtype = inner.dtype.newbyteorder("=")
             shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
-            for f, j in have:
-                g = np.unravel_index(f, grid)
+            for j in range(j0, j1):
+                g = np.unravel_index(int(plan.flat[j]), grid)
                 region = tuple(
                     slice(int(i) * c, (int(i) + 1) * c)
                     for i, c in zip(g, inner.chunk_shape, strict=True)
@@ -399,26 +486,21 @@ def _shards_sync(
     return results
 
 
-async def _get_ranges(
-    part: list[Any],
-    plan: list[tuple[int, int]],
-    starts: list[int],
-    sizes: list[int],
-    on_device: bool,
-) -> list[Any]:
+async def _get_ranges(part: list[Any], plan: _ShardPlan, on_device: bool) -> list[Any]:
     """Byte ranges through the store's own API (stores other than GdsStore)."""
     proto = _device.buffer_prototype("cuda" if on_device else "cpu")
 
     async def one(k: int) -> Any:
-        bg = part[plan[k][0]][0]
-        request = RangeByteRequest(starts[k], starts[k] + sizes[k])
+        bg = part[int(plan.shard[k])][0]
+        start = int(plan.starts[k])
+        request = RangeByteRequest(start, start + int(plan.sizes[k]))
         buf = await bg.get(prototype=proto, byte_range=request)
         return None if buf is None else buf.as_array_like()
 
-    return list(await asyncio.gather(*(one(k) for k in range(len(plan)))))
+    return list(await asyncio.gather(*(one(k) for k in range(len(plan.sizes)))))
 
 
-def _decode_host(chain: DecodeChain, chunks: list[Any], keys: list[str]) -> Any:
+def _decode_host(chain: DecodeChain, chunks: list[Any], keys: Sequence[str]) -> Any:
     if chain.crc32c:
         chunks = host.strip_crc32c(chunks, keys)
     if chain.compressor is not None:

@@ -8,6 +8,8 @@ raw stream starts and how long it is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from xarray_gds.errors import ChunkDecodeError
@@ -46,7 +48,7 @@ def _first_bad(bad: np.ndarray) -> int | None:
 
 
 def check(
-    name: str, heads: np.ndarray, sizes: np.ndarray, nbytes: int, keys: list[str]
+    name: str, heads: np.ndarray, sizes: np.ndarray, nbytes: int, keys: Sequence[str]
 ) -> tuple[int, int]:
     """Validate the headers of a batch of ``name`` streams.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -184,6 +185,56 @@ _ZSTD_ERRORS = {
 }
 
 
+_GATHER = r"""
+extern "C" __global__ void gather(const unsigned char* src, const long long* src_off,
+                                  unsigned char* dst, const long long* dst_off,
+                                  const long long* sizes, long long per) {
+    // Segment i = blockIdx.x / per: copy sizes[i] bytes from src + src_off[i] to
+    // dst + dst_off[i]; the `per` blocks of a segment share its bytes.
+    long long i = blockIdx.x / per;
+    long long part = blockIdx.x % per;
+    const unsigned char* s = src + src_off[i];
+    unsigned char* d = dst + dst_off[i];
+    long long n = sizes[i];
+    for (long long k = part * blockDim.x + threadIdx.x; k < n; k += per * blockDim.x) d[k] = s[k];
+}
+"""
+
+
+def _kernel(source: str, entry: str) -> Any:
+    """A compiled CuPy RawKernel, cached per thread (CuPy caches the binary on disk)."""
+    cache = _local.__dict__.setdefault("kernels", {})
+    if entry not in cache:
+        cache[entry] = _device.cupy().RawKernel(source, entry)
+    return cache[entry]
+
+
+def gather(
+    src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.ndarray, sizes: np.ndarray
+) -> None:
+    """Copy byte segments ``src[src_offsets[i]:][:sizes[i]]`` to ``dst[dst_offsets[i]:]``
+    in one kernel launch (one copy per segment would cost a launch each)."""
+    n = len(sizes)
+    if not n:
+        return
+    cp = _device.cupy()
+    threads = 256
+    largest = int(sizes.max())
+    per = max(1, min(256, -(-largest // (threads * 64))))
+    _kernel(_GATHER, "gather")(
+        (n * per,),
+        (threads,),
+        (
+            src,
+            cp.asarray(src_offsets),
+            dst,
+            cp.asarray(dst_offsets),
+            cp.asarray(sizes),
+            np.int64(per),
+        ),
+    )
+
+
 _KERNELS = {
     "zstd": (_ZSTD_WALK, "zstd_walk", _ZSTD_ERRORS),
     "lz4": (_LZ4_WALK, "lz4_walk", _LZ4_ERRORS),
@@ -196,22 +247,20 @@ def _walk(
     offsets: np.ndarray,
     sizes: np.ndarray,
     nbytes: int,
-    keys: list[str],
+    keys: Sequence[str],
 ) -> None:
     """Check on the device that every stream is whole: nvCOMP does not report truncated
     or corrupt zstd and LZ4 input (it returns the expected sizes and garbage)."""
     cp = _device.cupy()
     source, entry, messages = _KERNELS[name]
-    cache = _local.__dict__.setdefault("kernels", {})
-    if entry not in cache:
-        cache[entry] = cp.RawKernel(source, entry)
+    kernel = _kernel(source, entry)
     n = len(keys)
     status = cp.empty(n, dtype=cp.int64)
     args: tuple[Any, ...] = (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n))
     if name == "lz4":
         args += (np.int64(nbytes),)
     threads = 128
-    cache[entry](((n + threads - 1) // threads,), (threads,), (*args, status))
+    kernel(((n + threads - 1) // threads,), (threads,), (*args, status))
     codes = cp.asnumpy(status)
     bad = np.flatnonzero(codes)
     if bad.size:
@@ -220,7 +269,7 @@ def _walk(
 
 
 def _gzip_trailer(
-    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, keys: list[str]
+    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, keys: Sequence[str]
 ) -> None:
     """Check gzip's ISIZE trailer (decoded size mod 2**32) of every chunk."""
     tails = _peek(batch, offsets + sizes - 4, 4)
@@ -239,7 +288,7 @@ def _frame(
     offsets: np.ndarray,
     sizes: np.ndarray,
     nbytes: int,
-    keys: list[str],
+    keys: Sequence[str],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Check stream headers; return offsets and sizes of the raw streams for nvCOMP."""
     heads = _peek(batch, offsets, framing.PEEK)
@@ -253,18 +302,32 @@ def _frame(
 
 
 def _aligned(batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray) -> DeviceBatch:
-    """A batch whose streams all start on an aligned offset (copying those that do not)."""
+    """A batch whose streams all start on an aligned offset (copying them if they do not)."""
     if not np.any(offsets % _ALIGN):
         return DeviceBatch(batch.arena, offsets, sizes)
     cp = _device.cupy()
     new_offsets, total = pack_offsets(sizes, _ALIGN)
     arena = cp.empty(max(total, 1), dtype=cp.uint8)
-    for src, dst, size in zip(offsets.tolist(), new_offsets.tolist(), sizes.tolist(), strict=True):
-        arena[dst : dst + size] = batch.arena[src : src + size]
+    gather(batch.arena, offsets, arena, new_offsets, sizes)
     return DeviceBatch(arena, new_offsets, sizes)
 
 
-def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: list[str]) -> Any:
+def _batch(buffer: Any, offsets: np.ndarray, sizes: np.ndarray, stream: Any) -> Any:
+    """An nvCOMP BatchArray of ``sizes[i]`` bytes at ``offsets[i]`` of ``buffer``.
+
+    nvCOMP >= 6 carves a batch out of one buffer from the offset table; older
+    versions take one array per entry.
+    """
+    nvcomp = _nvcomp()
+    offs, lens = offsets.tolist(), sizes.tolist()
+    try:
+        return nvcomp.as_arrays(buffer, offs, lens, cuda_stream=stream.ptr)
+    except TypeError:
+        views = [buffer[o : o + n] for o, n in zip(offs, lens, strict=True)]
+        return nvcomp.as_arrays(views, stream.ptr)
+
+
+def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequence[str]) -> Any:
     """Decode chunks ``idx`` of ``batch`` into a ``(len(idx), nbytes)`` uint8 CuPy array."""
     cp = _device.cupy()
     nbytes = chain.nbytes
@@ -272,32 +335,28 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: list[st
     sizes = batch.sizes[idx]
     m = len(idx)
     if chain.compressor is None:
+        bad = np.flatnonzero(sizes != nbytes)
+        if bad.size:
+            j = int(bad[0])
+            raise ChunkDecodeError(
+                keys[j], "bytes", f"chunk holds {int(sizes[j])} bytes, expected {nbytes}"
+            )
         out = cp.empty((m, nbytes), dtype=cp.uint8)
-        for j, (start, size) in enumerate(zip(offsets.tolist(), sizes.tolist(), strict=True)):
-            if size != nbytes:
-                raise ChunkDecodeError(
-                    keys[j], "bytes", f"chunk holds {size} bytes, expected {nbytes}"
-                )
-            out[j] = batch.arena[start : start + size]
+        gather(batch.arena, offsets, out, np.arange(m, dtype=np.int64) * nbytes, sizes)
         return out
     name = chain.compressor.name
     offsets, sizes = _frame(name, batch, offsets, sizes, nbytes, keys)
     src = _aligned(batch, offsets, sizes)
     row = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     out = cp.empty((m, row), dtype=cp.uint8)
-    nvcomp = _nvcomp()
     stream, _ = _state()
     # nvCOMP runs on its own stream: make it wait for the reads and copies above
     stream.wait_event(cp.cuda.get_current_stream().record())
     codec = _codec(name)
-    inputs = nvcomp.as_arrays(
-        [
-            src.arena[o : o + s]
-            for o, s in zip(src.offsets.tolist(), src.sizes.tolist(), strict=True)
-        ],
-        stream.ptr,
+    inputs = _batch(src.arena, src.offsets, src.sizes, stream)
+    outputs = _batch(
+        out.reshape(-1), np.arange(m, dtype=np.int64) * row, np.full(m, nbytes), stream
     )
-    outputs = nvcomp.as_arrays([out[j, :nbytes] for j in range(m)], stream.ptr)
     try:
         result = codec.decode(inputs, out=outputs)
         got = np.asarray(result.buffer_sizes, dtype=np.int64)
