@@ -250,6 +250,8 @@ _CODEC_MARKS = {
     "gzip": "gzip(",
     "none": "serializer",
     "blosc": "blosc(",
+    "blosc-zstd-bit": "blosc(",
+    "blosc-blosclz": "blosclz",
     "crc32c": "crc32c",
     "big-endian": "endian='big'",
     "sharded": "sharding_indexed(",
@@ -283,7 +285,8 @@ def test_info_on_every_codec_case(
         ("zstd", "GPU (batched)"),
         ("sharded", "GPU (batched)"),
         ("crc32c", "host (batched)"),
-        ("blosc", "host (zarr-python)"),
+        ("blosc", "GPU (batched)"),
+        ("big-endian", "GPU (batched)"),
     ],
 )
 def test_decode_route_follows_the_plan(

@@ -30,7 +30,8 @@ EXPECTED_PLAN = {
     (3, "zstd-checksum"): "gpu",
     (3, "gzip"): "gpu",
     (3, "none"): "gpu",
-    (3, "blosc"): "zarr",
+    (3, "blosc"): "gpu",
+    (3, "blosc-zstd-bit"): "gpu",
     (3, "crc32c"): "host",
     (3, "big-endian"): "gpu",
     (3, "sharded"): "gpu",
@@ -38,7 +39,8 @@ EXPECTED_PLAN = {
     (2, "lz4"): "gpu",
     (2, "zlib"): "gpu",
     (2, "gzip"): "gpu",
-    (2, "blosc"): "zarr",
+    (2, "blosc"): "gpu",
+    (2, "blosc-blosclz"): "host",  # blosclz streams: no GPU decoder
     (2, "none"): "gpu",
     (2, "shuffle-zstd"): "gpu",
     (2, "delta-zlib"): "host",  # float32 Delta: CuPy's scan would round differently
@@ -184,7 +186,15 @@ DAMAGE = {
     "header": lambda b: b"\x00" * 8 + b[8:],
     "extra-bytes": lambda b: b + b"\x13\x37" * 8,
 }
-DAMAGED_CODECS = [(3, "zstd"), (3, "gzip"), (3, "none"), (2, "lz4"), (2, "zlib"), (3, "crc32c")]
+DAMAGED_CODECS = [
+    (3, "zstd"),
+    (3, "gzip"),
+    (3, "none"),
+    (2, "lz4"),
+    (2, "zlib"),
+    (3, "crc32c"),
+    (2, "blosc"),
+]
 
 
 def _chunk_file(path: Path, zarr_format: int) -> tuple[Path, str]:

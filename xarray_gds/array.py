@@ -11,7 +11,7 @@ from xarray.core import indexing
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
 
-__all__ = ["DeviceLazilyIndexedArray", "GdsBackendArray", "HostDecodedArray"]
+__all__ = ["GdsBackendArray", "HostDecodedArray"]
 
 
 class GdsBackendArray(BackendArray):
@@ -155,23 +155,3 @@ class HostDecodedArray(BackendArray):
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         values = np.asarray(self._decoded[key])
         return _device.array_module(self._device).asarray(values)
-
-
-class DeviceLazilyIndexedArray(indexing.LazilyIndexedArray):
-    """xarray's lazy indexing over an array whose values come back on the device.
-
-    xarray converts lazily indexed arrays with ``np.asarray`` in a few numpy-only
-    places, for instance when ``open_mfdataset`` broadcasts a variable that dask did
-    not chunk (0-d variables) along the concatenation dimension. CuPy refuses implicit
-    conversion, so here the conversion is explicit: the values are copied to the host,
-    as xarray's own ``ImplicitToExplicitIndexingAdapter`` does for dask. Everything
-    else (``.data``, ``.load()``, dask blocks) stays on the device.
-    """
-
-    __slots__ = ()
-
-    def __array__(self, dtype: Any = None, /, *, copy: bool | None = None) -> np.ndarray:
-        values = self.get_duck_array()
-        if _device.is_device_array(values):
-            values = values.get()
-        return np.asarray(values, dtype=dtype)

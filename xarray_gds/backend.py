@@ -19,7 +19,7 @@ from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
-from xarray_gds.array import DeviceLazilyIndexedArray, GdsBackendArray, HostDecodedArray
+from xarray_gds.array import GdsBackendArray, HostDecodedArray
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
@@ -110,15 +110,19 @@ def placement(name: str, variable: xr.Variable) -> _device.Device | None:
     """Where a decoded variable belongs: ``"cuda"`` for numeric data, else the host.
 
     Index coordinates (1-D variables named after their dimension, which xarray turns
-    into pandas indexes), strings, datetimes and timedeltas stay on the host; every
-    other numeric (bool, integer, float, complex) variable goes to the device.
+    into pandas indexes), 0-d variables, strings, datetimes and timedeltas stay on the
+    host; every other numeric (bool, integer, float, complex) variable goes to the
+    device. 0-d variables stay on the host because dask never chunks them and xarray
+    combines them with numpy (``open_mfdataset`` broadcasts them along the
+    concatenation dimension); a selection from a device variable stays on the device
+    whatever its shape.
 
     Returns
     -------
     "cuda" or None
         ``None`` means "host, read by xarray's own zarr path".
     """
-    if variable.dims == (name,):
+    if variable.dims == (name,) or variable.ndim == 0:
         return None
     return "cuda" if variable.dtype.kind in "biufc" else None
 
@@ -172,12 +176,7 @@ def _dataset_from_store(
                 # host and move the result (see HostDecodedArray).
                 else HostDecodedArray(var._data, device)
             )
-            wrapped = (
-                DeviceLazilyIndexedArray(lazy)
-                if device == "cuda"
-                else indexing.LazilyIndexedArray(lazy)
-            )
-            var = xr.Variable(var.dims, wrapped, var.attrs, var.encoding)
+            var = xr.Variable(var.dims, indexing.LazilyIndexedArray(lazy), var.attrs, var.encoding)
         if name in coord_names or var.dims == (name,):
             coord_vars[name] = var
         else:

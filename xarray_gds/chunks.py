@@ -1,13 +1,17 @@
-"""A dask chunk manager that gives dask arrays of device variables a CuPy ``meta``.
+"""A dask chunk manager whose blocks of GPU-placed variables are CuPy arrays.
 
-xarray wraps lazily indexed backend arrays into dask arrays with ``meta=np.ndarray``
-whatever their blocks hold. Passing :class:`GdsDaskManager` as xarray's public
-``chunked_array_type`` argument keeps everything else the same and declares the
-truth for variables the engine places on the GPU::
+xarray wraps lazily indexed backend arrays into dask arrays with ``meta=np.ndarray``,
+and dask converts every block it slices out of them with ``np.asarray``: xarray's
+indexing adapter answers that with a copy to host memory. With xarray's default
+chunk manager, the blocks of ``engine="gds-zarr"`` variables are therefore decoded
+on the GPU and then copied to numpy. Passing :class:`GdsDaskManager` as xarray's
+public ``chunked_array_type`` argument keeps everything else the same and keeps the
+blocks of device variables on the device, with a CuPy ``meta``::
 
     ds = xr.open_dataset(path, engine="gds-zarr", chunks={},
                          chunked_array_type=xarray_gds.GdsDaskManager())
-    type(ds.t2m.data._meta)   # cupy.ndarray
+    type(ds.t2m.data._meta)                     # cupy.ndarray
+    type(ds.t2m.data.blocks[0, 0, 0].compute())  # cupy.ndarray
 
 It is not registered as an ``xarray.chunkmanagers`` entry point on purpose: two
 registered managers that both claim dask arrays would make xarray refuse to choose.
@@ -21,7 +25,7 @@ from xarray.namedarray.daskmanager import DaskManager
 
 from xarray_gds import device as _device
 
-__all__ = ["GdsDaskManager", "device_of"]
+__all__ = ["DeviceBlocks", "GdsDaskManager", "device_of"]
 
 
 def device_of(data: Any) -> str | None:
@@ -36,8 +40,37 @@ def device_of(data: Any) -> str | None:
     return None
 
 
+class DeviceBlocks:
+    """What dask slices blocks from: xarray's lazy array, evaluated on each slice.
+
+    xarray's indexing adapter returns another lazy wrapper when sliced; dask would
+    turn it into numpy with ``np.asarray``. Here each slice is evaluated with
+    ``get_duck_array`` instead, so a block is the CuPy array the engine decoded.
+    """
+
+    __slots__ = ("_data", "dtype", "ndim", "shape")
+
+    def __init__(self, data: Any) -> None:
+        self._data = data
+        self.shape = tuple(data.shape)
+        self.dtype = data.dtype
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key: Any) -> Any:
+        values = self._data[key]
+        if hasattr(values, "get_duck_array"):
+            values = values.get_duck_array()
+        return values
+
+    def __getstate__(self) -> Any:
+        return self._data
+
+    def __setstate__(self, data: Any) -> None:
+        self.__init__(data)  # type: ignore[misc]
+
+
 class GdsDaskManager(DaskManager):
-    """xarray's dask chunk manager, with a CuPy ``meta`` for GPU-placed variables."""
+    """xarray's dask chunk manager, keeping GPU-placed variables' blocks on the GPU."""
 
     def from_array(self, data: Any, chunks: Any, **kwargs: Any) -> Any:
         if device_of(data) != "cuda":
@@ -45,4 +78,5 @@ class GdsDaskManager(DaskManager):
         import dask.array as da
 
         kwargs["meta"] = _device.cupy().empty((0,) * len(data.shape), dtype=data.dtype)
-        return da.from_array(data, chunks, **kwargs)
+        kwargs["asarray"] = False  # DeviceBlocks already returns arrays
+        return da.from_array(DeviceBlocks(data), chunks, **kwargs)

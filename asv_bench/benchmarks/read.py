@@ -60,6 +60,34 @@ class ZstdSharded256KiB(_Store):
     store_kwargs: ClassVar[dict] = {"chunk_bytes": 256 << 10, "shard_bytes": 16 << 20}
 
 
+class BloscV2_4MB(_Store):
+    """zarr-python 2's default compressor (Blosc lz4, byte shuffle)."""
+
+    store_kwargs: ClassVar[dict] = {"chunk_bytes": 4 << 20, "zarr_format": 2, "compressor": "blosc"}
+
+
+class MfDataset50:
+    """open_mfdataset over 50 stores and a mean over time (one dask block per store)."""
+
+    def setup_cache(self) -> list[str]:
+        root = Path(tempfile.mkdtemp(prefix="xarray-gds-asv-"))
+        first = bench.make_store(root / "part.zarr", int(SIZE * 0.02 * 1e9), 256 << 10)
+        return [str(p) for p in bench._copies(first, 50)]
+
+    def setup(self, paths: list[str]) -> None:
+        if not cuda_status()[0]:
+            raise NotImplementedError("no GPU")
+        warnings.simplefilter("ignore")
+
+    def time_gds_zarr(self, paths: list[str]) -> None:
+        bench._mean_gds([Path(p) for p in paths])
+        bench._sync()
+
+    def time_zarr_as_cupy(self, paths: list[str]) -> None:
+        bench._mean_zarr([Path(p) for p in paths])
+        bench._sync()
+
+
 class SmallChunks(_Store):
     store_kwargs: ClassVar[dict] = {"chunk_bytes": 1 << 10}
     scale = 0.05

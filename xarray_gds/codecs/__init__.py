@@ -23,8 +23,12 @@ from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
 
 __all__ = ["Compressor", "DecodeChain", "ShardChain", "Unsupported", "codec_name", "plan_chain"]
 
-#: Compression formats with a batched decoder on both the host and the device.
-COMPRESSORS = ("zstd", "gzip", "zlib", "lz4")
+#: Compression formats with a batched decoder on the host and (Blosc: for its lz4,
+#: lz4hc, zstd and zlib streams) on the device.
+COMPRESSORS = ("zstd", "gzip", "zlib", "lz4", "blosc")
+
+#: Blosc compressors whose streams nvCOMP decodes (blosclz and snappy have no decoder).
+_BLOSC_DEVICE_CNAMES = frozenset({"lz4", "lz4hc", "zstd", "zlib"})
 
 
 @dataclass(frozen=True)
@@ -33,15 +37,22 @@ class Compressor:
 
     Attributes
     ----------
-    name : {"zstd", "gzip", "zlib", "lz4"}
+    name : {"zstd", "gzip", "zlib", "lz4", "blosc"}
         Stream format. ``lz4`` is numcodecs' framing: a 4-byte little-endian size
-        followed by an LZ4 block; ``zlib`` is RFC 1950, ``gzip`` RFC 1952.
+        followed by an LZ4 block; ``zlib`` is RFC 1950, ``gzip`` RFC 1952; ``blosc`` a
+        Blosc1 frame (see :mod:`xarray_gds.codecs.blosc`).
     host_codec : numcodecs.abc.Codec
         The numcodecs codec that decodes one chunk on the host.
+    device_ready : bool
+        Whether the device decodes it (Blosc: not with blosclz or snappy streams).
+    detail : str
+        What the codec is, for messages (e.g. ``"blosc (cname blosclz)"``).
     """
 
     name: str
     host_codec: Any
+    device_ready: bool = True
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,23 @@ class DecodeChain:
     @property
     def device_ready(self) -> bool:
         """True when every stage also runs on the GPU."""
-        return not self.crc32c and all(f.device_ready for f in self.filters)
+        return (
+            not self.crc32c
+            and (self.compressor is None or self.compressor.device_ready)
+            and all(f.device_ready for f in self.filters)
+        )
+
+    @property
+    def host_only(self) -> str:
+        """Why GPU reads of this chain decode on the host ("" when they do not)."""
+        if self.crc32c:
+            return "crc32c has no GPU implementation"
+        if self.compressor is not None and not self.compressor.device_ready:
+            return f"{self.compressor.detail or self.compressor.name} has no GPU decoder"
+        for f in self.filters:
+            if not f.device_ready:
+                return f"filter {type(f).__name__} has no identical GPU implementation"
+        return ""
 
     def finish(self, data: Any, xp: Any) -> Any:
         """Bytes ``(n, nbytes)`` to the chunk arrays ``(n, *chunk_shape)``, native order."""
@@ -153,6 +180,11 @@ class ShardChain:
     def device_ready(self) -> bool:
         return self.inner.device_ready
 
+    @property
+    def host_only(self) -> str:
+        """Why GPU reads of this chain decode on the host ("" when they do not)."""
+        return self.inner.host_only
+
 
 def codec_name(codec: Any) -> str:
     """A short name for a zarr v3 codec or numcodecs codec."""
@@ -173,7 +205,18 @@ def _numcodecs_compressor(codec: Any) -> Compressor | None:
         return Compressor("zlib", codec)
     if isinstance(codec, numcodecs.LZ4):
         return Compressor("lz4", codec)
+    if isinstance(codec, numcodecs.Blosc):
+        return _blosc(str(codec.cname))
     return None
+
+
+def _blosc(cname: str) -> Compressor:
+    """Blosc with compressor ``cname``; frames say how they decode, so one numcodecs
+    ``Blosc()`` decodes them all on the host."""
+    cname = str(getattr(cname, "value", cname))
+    return Compressor(
+        "blosc", numcodecs.Blosc(), cname in _BLOSC_DEVICE_CNAMES, f"blosc (cname {cname})"
+    )
 
 
 def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> Any:
@@ -224,6 +267,8 @@ def _plan_v3_codecs(
             compressor = Compressor("zstd", numcodecs.Zstd(level=codec.level))
         elif isinstance(codec, zc.GzipCodec) and seen_bytes and compressor is None and not crc:
             compressor = Compressor("gzip", numcodecs.GZip(level=codec.level))
+        elif isinstance(codec, zc.BloscCodec) and seen_bytes and compressor is None and not crc:
+            compressor = _blosc(codec.cname)
         elif isinstance(codec, zc.Crc32cCodec) and seen_bytes and not crc:
             crc = True
         else:

@@ -23,7 +23,7 @@ from xarray_gds.codecs import DecodeChain, framing
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, pack_offsets
 
-__all__ = ["decode", "pack"]
+__all__ = ["decode", "decode_blosc", "gather", "pack"]
 
 #: nvCOMP algorithm for each stream format. zlib streams are raw deflate once their
 #: 2-byte header and 4-byte Adler-32 trailer are stripped.
@@ -142,7 +142,7 @@ __device__ bool extend_run(const unsigned char* p, long long size, long long* ip
 }
 
 extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long* offsets,
-                                    const long long* sizes, int n, long long expected,
+                                    const long long* sizes, int n, const long long* wanted,
                                     long long* status) {
     // One thread per chunk: follow the sequences of one LZ4 block and check that they
     // stay inside the input, refer only to bytes already produced, and produce exactly
@@ -150,7 +150,7 @@ extern "C" __global__ void lz4_walk(const unsigned char* arena, const long long*
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const unsigned char* p = arena + offsets[i];
-    long long size = sizes[i], ip = 0, op = 0;
+    long long size = sizes[i], ip = 0, op = 0, expected = wanted[i];
     for (;;) {
         if (ip >= size) { status[i] = -2; return; }
         unsigned token = p[ip++];
@@ -246,11 +246,15 @@ def _walk(
     batch: DeviceBatch,
     offsets: np.ndarray,
     sizes: np.ndarray,
-    nbytes: int,
+    nbytes: int | np.ndarray,
     keys: Sequence[str],
+    codec: str | None = None,
 ) -> None:
     """Check on the device that every stream is whole: nvCOMP does not report truncated
-    or corrupt zstd and LZ4 input (it returns the expected sizes and garbage)."""
+    or corrupt zstd and LZ4 input (it returns the expected sizes and garbage).
+
+    ``nbytes`` is the decoded size of every stream, or one per stream; ``codec`` names
+    the codec in errors (default: the stream format)."""
     cp = _device.cupy()
     source, entry, messages = _KERNELS[name]
     kernel = _kernel(source, entry)
@@ -258,14 +262,16 @@ def _walk(
     status = cp.empty(n, dtype=cp.int64)
     args: tuple[Any, ...] = (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n))
     if name == "lz4":
-        args += (np.int64(nbytes),)
+        wanted = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), (n,))
+        args += (cp.asarray(wanted),)
     threads = 128
     kernel(((n + threads - 1) // threads,), (threads,), (*args, status))
     codes = cp.asnumpy(status)
     bad = np.flatnonzero(codes)
     if bad.size:
         j = int(bad[0])
-        raise ChunkDecodeError(keys[j], name, messages.get(int(codes[j]), "corrupt stream"))
+        message = messages.get(int(codes[j]), "corrupt stream")
+        raise ChunkDecodeError(keys[j], codec or name, message)
 
 
 def _gzip_trailer(
@@ -345,6 +351,8 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
         gather(batch.arena, offsets, out, np.arange(m, dtype=np.int64) * nbytes, sizes)
         return out
     name = chain.compressor.name
+    if name == "blosc":
+        return decode_blosc(batch, offsets, sizes, nbytes, keys)
     offsets, sizes = _frame(name, batch, offsets, sizes, nbytes, keys)
     src = _aligned(batch, offsets, sizes)
     row = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -373,3 +381,117 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
         j = int(bad[0])
         raise ChunkDecodeError(keys[j], name, f"decoded to {int(got[j])} bytes, expected {nbytes}")
     return cp.ascontiguousarray(out[:, :nbytes]) if row != nbytes else out
+
+
+#: Blosc stream formats and the stream format of this module that decodes them
+_BLOSC_STREAMS = {"lz4": "lz4", "zstd": "zstd", "zlib": "zlib"}
+
+
+def decode_blosc(
+    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, keys: Sequence[str]
+) -> Any:
+    """Decode Blosc frames at ``offsets`` of ``batch`` into a ``(n, nbytes)`` CuPy array.
+
+    The frames come to the host once to check and list their streams
+    (:func:`xarray_gds.codecs.blosc.parse_frames`, before anything reads them on the
+    device); then one gather copies the raw streams, one nvCOMP call per stream format
+    decodes the others (LZ4 blocks, zstd frames, zlib streams as raw deflate), and
+    CuPy undoes the byte or bit shuffle of every block.
+    """
+    from xarray_gds.codecs import blosc
+
+    cp = _device.cupy()
+    m = len(offsets)
+    out = cp.empty((m, nbytes), dtype=cp.uint8)
+    if not m:
+        return out
+    host = cp.asnumpy(batch.arena)
+    frames = [host[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)]
+    streams = blosc.parse_frames(frames, keys, nbytes)
+    flat = out.reshape(-1)
+    src = offsets[streams.chunk] + streams.src
+    dst = streams.chunk * nbytes + streams.dst
+    raw = streams.raw
+    if raw.any():
+        gather(batch.arena, src[raw], flat, dst[raw], streams.dsize[raw])
+    for cname in sorted(streams.compressed_cnames):
+        pick = streams.compressed(cname)
+        which = streams.chunk[pick]
+        if cname not in _BLOSC_STREAMS:
+            raise ChunkDecodeError(
+                keys[int(which[0])],
+                "blosc",
+                f"{cname} streams have no GPU decoder (open with device='cpu' to read it)",
+            )
+        start, length = src[pick], streams.csize[pick]
+        if cname == "zlib":  # raw deflate between a 2-byte header and an Adler-32
+            start, length = start + 2, length - 6
+        stream_keys = _StreamKeys(keys, which, cname)
+        decoded = _decode_streams(
+            _BLOSC_STREAMS[cname], batch.arena, start, length, streams.dsize[pick], stream_keys
+        )
+        staged_offsets, _ = pack_offsets(streams.dsize[pick], _ALIGN)
+        gather(decoded, staged_offsets, flat, dst[pick], streams.dsize[pick])
+    return blosc.unshuffle(out, streams.typesize, streams.blocksize, streams.shuffle, xp=cp)
+
+
+class _StreamKeys(Sequence[str]):
+    """Names of Blosc streams for messages: the chunk key and the stream format."""
+
+    def __init__(self, keys: Sequence[str], which: np.ndarray, cname: str) -> None:
+        self._keys, self._which, self._cname = keys, which, cname
+
+    def __len__(self) -> int:
+        return len(self._which)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        return f"{self._keys[int(self._which[j])]} ({self._cname} stream)"
+
+
+def _decode_streams(
+    name: str,
+    arena: Any,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    decoded_sizes: np.ndarray,
+    keys: Sequence[str],
+) -> Any:
+    """Decode streams of any alignment and sizes with one nvCOMP call.
+
+    Returns the decoded bytes packed at ``pack_offsets(decoded_sizes, 16)``.
+    """
+    cp = _device.cupy()
+    if np.any(lengths <= 0):
+        j = int(np.flatnonzero(lengths <= 0)[0])
+        raise ChunkDecodeError(keys[j], "blosc", "empty compressed stream")
+    in_offsets, in_total = pack_offsets(lengths, _ALIGN)
+    staged = cp.empty(max(in_total, 1), dtype=cp.uint8)
+    gather(arena, starts, staged, in_offsets, lengths)
+    if name in _KERNELS:
+        staged_batch = DeviceBatch(staged, in_offsets, lengths)
+        _walk(name, staged_batch, in_offsets, lengths, decoded_sizes, keys, "blosc")
+    out_offsets, out_total = pack_offsets(decoded_sizes, _ALIGN)
+    out = cp.empty(max(out_total, 1), dtype=cp.uint8)
+    stream, _ = _state()
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    codec = _codec(name)
+    inputs = _batch(staged, in_offsets, lengths, stream)
+    outputs = _batch(out, out_offsets, decoded_sizes, stream)
+    try:
+        result = codec.decode(inputs, out=outputs)
+        got = np.asarray(result.buffer_sizes, dtype=np.int64)
+    except (RuntimeError, ValueError) as err:
+        stream.synchronize()
+        found = re.search(r"array (\d+)", str(err))
+        where = int(found.group(1)) if found and int(found.group(1)) < len(keys) else 0
+        raise ChunkDecodeError(keys[where], "blosc", str(err)) from err
+    stream.synchronize()
+    bad = np.flatnonzero(got != decoded_sizes)
+    if bad.size:
+        j = int(bad[0])
+        raise ChunkDecodeError(
+            keys[j], "blosc", f"decoded to {int(got[j])} bytes, expected {int(decoded_sizes[j])}"
+        )
+    return out

@@ -1,0 +1,642 @@
+"""Blosc1 frames taken apart on the host, so that a batch of them decodes in a few launches.
+
+A Blosc1 frame (what ``numcodecs.Blosc.encode`` writes, c-blosc 1.x, format version 2)
+is laid out as follows; integers are little-endian::
+
+    offset  size  field
+    0       1     format version (2)
+    1       1     compressor format version (1)
+    2       1     flags: bit 0 byte shuffle, bit 1 memcpyed, bit 2 bit shuffle,
+                  bit 3 reserved (must be 0), bit 4 "don't split",
+                  bits 5-7 compressor (0 blosclz, 1 lz4/lz4hc, 2 snappy, 3 zlib, 4 zstd)
+    3       1     typesize (bytes per element, 1..255)
+    4       4     nbytes: decoded size
+    8       4     blocksize: decoded bytes per block (the last block may be shorter)
+    12      4     cbytes: size of the whole frame
+    16      4*B   start of each of the B = ceil(nbytes / blocksize) blocks in the frame
+
+Blocks are independent. A block is a single stream, or ``typesize`` streams of
+``blocksize / typesize`` decoded bytes each ("split"); every stream is an int32
+compressed size followed by that many payload bytes, and a stream whose compressed size
+equals its decoded size is stored as is. The decoded block is then unshuffled (byte or
+bit shuffle) on its own. A *memcpyed* frame has no block-start table and no streams: the
+decoded bytes follow the header as they are, unshuffled.
+
+The rules followed here are those of the c-blosc 1.x *decoder* (``blosc_d``), which is
+what decides how a frame reads, whatever encoder wrote it:
+
+* A full block is split into ``typesize`` streams when the "don't split" flag is clear,
+  ``typesize <= 16`` and ``blocksize // typesize >= 128`` (frames written before the flag
+  existed are split by that same rule). The last block, when shorter than ``blocksize``,
+  is never split.
+* Byte shuffle (only when ``typesize > 1``) transposes the ``size // typesize`` whole
+  elements of a block; the ``size % typesize`` bytes left at its end are stored as is.
+* Bit shuffle transposes the bits of the block's whole elements when their number is a
+  multiple of 8 (and not 0); the leftover bytes are stored as is. A block whose number of
+  whole elements is not a multiple of 8 is stored entirely as is. When both shuffle flags
+  are set, byte shuffle wins if ``typesize > 1``.
+
+:func:`parse_frames` checks a batch of frames and lists every stream (source offset and
+size, destination offset and size); the device layer decompresses the streams with nvCOMP
+into a ``(n_frames, nbytes)`` buffer and calls :func:`unshuffle` (numpy or CuPy) on it.
+:func:`decode_host` does the same on the host with numcodecs, as a reference.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numcodecs
+import numpy as np
+
+from xarray_gds.errors import ChunkDecodeError
+
+__all__ = [
+    "BATCHED_CNAMES",
+    "BloscStreams",
+    "decode_host",
+    "parse_frames",
+    "unshuffle",
+]
+
+HEADER_NBYTES = 16  #: bytes of the fixed Blosc1 header
+FORMAT_VERSION = 2  #: the Blosc1 format version read here (c-blosc 1.x)
+#: Stream format of each compressor code (flags bits 5-7); lz4hc writes lz4 streams.
+CNAMES = ("blosclz", "lz4", "snappy", "zlib", "zstd")
+#: Stream formats with a batched decoder (nvCOMP on the device, numcodecs/zlib here).
+BATCHED_CNAMES = frozenset({"lz4", "zstd", "zlib"})
+
+_CODEC = "blosc"
+_SHUFFLE, _MEMCPYED, _BITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x08, 0x10
+_MAX_SPLITS = 16  # c-blosc's MAX_SPLITS
+_MIN_SPLIT_ELEMENTS = 128  # c-blosc's MIN_BUFFERSIZE, as used by the split rule
+_BIT_PASS_NBYTES = 1 << 25  # bit-shuffled bytes undone per pass (8x that in temporaries)
+
+
+@dataclass(frozen=True, eq=False)
+class BloscStreams:
+    """The streams of a batch of Blosc frames, all frames flattened together.
+
+    Per-stream arrays (int64 unless noted), in order of frame, then block, then split:
+
+    Attributes
+    ----------
+    chunk : numpy.ndarray
+        Index of the stream's frame in the batch.
+    src : numpy.ndarray
+        Offset of the stream's payload in its frame (past its 4-byte size prefix).
+    csize : numpy.ndarray
+        Payload bytes.
+    dst : numpy.ndarray
+        Offset in the frame's decoded (still shuffled) bytes where the stream goes.
+    dsize : numpy.ndarray
+        Decoded bytes of the stream.
+    raw : numpy.ndarray
+        bool: the payload is stored as is (copy ``csize == dsize`` bytes).
+
+    Per-frame arrays:
+
+    nbytes : numpy.ndarray
+        Decoded size.
+    typesize : numpy.ndarray
+        Element size the shuffle works on.
+    blocksize : numpy.ndarray
+        Decoded bytes per block (the last block may be shorter).
+    shuffle : numpy.ndarray
+        Shuffle to undo: 0 none, 1 byte, 2 bit. Already resolved from the flags the way
+        the decoder does it (0 for memcpyed frames, 0 for byte shuffle of 1-byte types).
+    memcpyed : numpy.ndarray
+        bool: the frame stores its decoded bytes as is after the header; it is listed as
+        one raw stream at ``src=16`` of ``nbytes`` bytes, like any other raw stream.
+        (Frames of 0 bytes have no streams at all.)
+    cname : tuple of str
+        Stream format of each frame: "blosclz", "lz4" (lz4 and lz4hc), "snappy", "zlib"
+        or "zstd".
+    """
+
+    chunk: np.ndarray
+    src: np.ndarray
+    csize: np.ndarray
+    dst: np.ndarray
+    dsize: np.ndarray
+    raw: np.ndarray
+    nbytes: np.ndarray
+    typesize: np.ndarray
+    blocksize: np.ndarray
+    shuffle: np.ndarray
+    memcpyed: np.ndarray
+    cname: tuple[str, ...]
+
+    @property
+    def n_frames(self) -> int:
+        return len(self.cname)
+
+    @property
+    def n_streams(self) -> int:
+        return len(self.chunk)
+
+    def compressed(self, cname: str) -> np.ndarray:
+        """Mask of the streams to decompress with ``cname`` (raw streams excluded)."""
+        frames = np.array([c == cname for c in self.cname], dtype=bool)
+        return frames[self.chunk] & ~self.raw
+
+    @property
+    def compressed_cnames(self) -> frozenset[str]:
+        """Stream formats of the streams that need decompressing."""
+        return frozenset(self.cname[i] for i in np.unique(self.chunk[~self.raw]))
+
+    def block_bounds(self, i: int) -> np.ndarray:
+        """Block boundaries of frame ``i``: ``[0, blocksize, 2 * blocksize, ..., nbytes]``.
+
+        Each block is unshuffled on its own; only the last one may be shorter.
+        """
+        nbytes, blocksize = int(self.nbytes[i]), int(self.blocksize[i])
+        if nbytes == 0:
+            return np.zeros(1, dtype=np.int64)
+        return np.append(np.arange(0, nbytes, blocksize, dtype=np.int64), nbytes)
+
+
+def _as_frame(frame: Any) -> np.ndarray:
+    if isinstance(frame, bytes | bytearray | memoryview):
+        return np.frombuffer(frame, dtype=np.uint8)
+    arr = np.asarray(frame)
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise TypeError(
+            f"a Blosc frame must be a 1-D uint8 array, not {arr.dtype} of shape {arr.shape}"
+        )
+    return np.ascontiguousarray(arr)
+
+
+def _first(bad: np.ndarray) -> int | None:
+    where = np.flatnonzero(bad)
+    return int(where[0]) if where.size else None
+
+
+def _read_i32(frame: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The little-endian int32 at each offset ``pos`` of ``frame`` (all in bounds)."""
+    quads = frame[pos[:, None] + np.arange(4)]
+    return quads.view("<i4").reshape(-1).astype(np.int64)
+
+
+def _bad_start(key: str, block: int, nblocks: int, start: int, cbytes: int) -> ChunkDecodeError:
+    table_end = HEADER_NBYTES + 4 * nblocks
+    return ChunkDecodeError(
+        key,
+        _CODEC,
+        f"block {block} of {nblocks} starts at byte {start}, outside the "
+        f"{table_end}..{cbytes - 4} range of stream data in this {cbytes}-byte frame",
+    )
+
+
+def _bad_prefix(key: str, block: int, j: int, pos: int, cbytes: int) -> ChunkDecodeError:
+    return ChunkDecodeError(
+        key,
+        _CODEC,
+        f"the size of stream {j} of block {block} (at byte {pos}) lies past the end of the "
+        f"{cbytes}-byte frame",
+    )
+
+
+def _bad_size(key: str, block: int, j: int, pos: int, size: int, cbytes: int) -> ChunkDecodeError:
+    return ChunkDecodeError(
+        key,
+        _CODEC,
+        f"stream {j} of block {block} declares {size} bytes at byte {pos + 4}, which does "
+        f"not fit in the {cbytes}-byte frame",
+    )
+
+
+#: Frames with at most this many streams are walked with plain Python (about a
+#: microsecond per stream); larger ones with numpy, vectorized over their blocks.
+_SCALAR_MAX_STREAMS = 128
+
+_Columns = tuple[Any, Any, Any, Any]
+
+
+def _walk_scalar(
+    frame: np.ndarray, key: str, nbytes: int, blocksize: int, splits: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(src, csize, dst, dsize)`` of the streams of a compressed frame, block by block.
+
+    ``splits`` is the number of streams of a full block (1 when blocks are not split).
+    """
+    cbytes = frame.size
+    nblocks = -(-nbytes // blocksize)
+    table_end = HEADER_NBYTES + 4 * nblocks
+    src: list[int] = []
+    csize: list[int] = []
+    dst: list[int] = []
+    dsize: list[int] = []
+    for b, start in enumerate(struct.unpack_from(f"<{nblocks}i", frame, HEADER_NBYTES)):
+        if start < table_end or start > cbytes - 4:
+            raise _bad_start(key, b, nblocks, start, cbytes)
+        size = min(blocksize, nbytes - b * blocksize)
+        k = splits if size == blocksize else 1  # a short last block is never split
+        part = size // k
+        pos = start
+        for j in range(k):
+            if pos + 4 > cbytes:
+                raise _bad_prefix(key, b, j, pos, cbytes)
+            (stream,) = struct.unpack_from("<i", frame, pos)
+            if stream <= 0 or pos + 4 + stream > cbytes:
+                raise _bad_size(key, b, j, pos, stream, cbytes)
+            src.append(pos + 4)
+            csize.append(stream)
+            dst.append(b * blocksize + j * part)
+            dsize.append(part)
+            pos += 4 + stream
+    return src, csize, dst, dsize
+
+
+def _walk_vectorized(
+    frame: np.ndarray, key: str, nbytes: int, blocksize: int, splits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Same as :func:`_walk_scalar`, vectorized over the blocks of the frame; the loop
+    runs over the (at most 16) streams of a block, which follow each other."""
+    cbytes = frame.size
+    nblocks = -(-nbytes // blocksize)
+    table_end = HEADER_NBYTES + 4 * nblocks
+    starts = frame[HEADER_NBYTES:table_end].view("<i4").astype(np.int64)
+    b = _first((starts < table_end) | (starts > cbytes - 4))
+    if b is not None:
+        raise _bad_start(key, b, nblocks, int(starts[b]), cbytes)
+    last = nbytes - (nblocks - 1) * blocksize  # size of the last block
+    per_block = np.full(nblocks, splits, dtype=np.int64)
+    if last < blocksize:
+        per_block[-1] = 1  # a short last block is never split
+    block_nbytes = np.full(nblocks, blocksize, dtype=np.int64)
+    block_nbytes[-1] = last
+    part = block_nbytes // per_block
+    width = int(per_block.max())
+    src = np.zeros((nblocks, width), dtype=np.int64)
+    csize = np.zeros((nblocks, width), dtype=np.int64)
+    pos = starts
+    for j in range(width):
+        rows = np.flatnonzero(per_block > j)
+        p = pos[rows]
+        b = _first(p + 4 > cbytes)
+        if b is not None:
+            raise _bad_prefix(key, int(rows[b]), j, int(p[b]), cbytes)
+        size = _read_i32(frame, p)
+        b = _first((size <= 0) | (p + 4 + size > cbytes))
+        if b is not None:
+            raise _bad_size(key, int(rows[b]), j, int(p[b]), int(size[b]), cbytes)
+        src[rows, j] = p + 4
+        csize[rows, j] = size
+        pos[rows] = p + 4 + size
+    mask = np.arange(width) < per_block[:, None]
+    dst = np.arange(nblocks, dtype=np.int64)[:, None] * blocksize + np.arange(width) * part[:, None]
+    dsize = np.broadcast_to(part[:, None], (nblocks, width))
+    return src[mask], csize[mask], dst[mask], dsize[mask]
+
+
+def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> BloscStreams:
+    """Check a batch of Blosc1 frames and list their streams.
+
+    Everything is checked here, before anything is launched: the header (format
+    versions, reserved flag bit, compressor code, typesize, decoded size, frame size,
+    block size), the block-start table, and that every block start and every stream
+    (size prefix and payload) lies inside its frame with decoded sizes adding up to the
+    block size.
+
+    Parameters
+    ----------
+    frames : sequence of numpy.ndarray
+        One whole Blosc frame per chunk, as 1-D uint8 arrays (bytes are accepted too).
+    keys : sequence of str
+        The chunk key of each frame, for error messages.
+    nbytes : int
+        Decoded size every frame must have.
+
+    Returns
+    -------
+    BloscStreams
+
+    Raises
+    ------
+    ChunkDecodeError
+        A frame is damaged or is not a Blosc1 frame of ``nbytes`` decoded bytes; the
+        first such frame is named.
+    """
+    if len(frames) != len(keys):
+        raise ValueError(f"{len(frames)} frames but {len(keys)} keys")
+    arrays = [_as_frame(f) for f in frames]
+    n = len(arrays)
+    lengths = np.array([a.size for a in arrays], dtype=np.int64)
+    i = _first(lengths < HEADER_NBYTES)
+    if i is not None:
+        raise ChunkDecodeError(
+            keys[i], _CODEC, f"{int(lengths[i])} bytes is too short for a Blosc header (16 bytes)"
+        )
+    heads = np.stack([a[:HEADER_NBYTES] for a in arrays]) if n else np.zeros((0, 16), np.uint8)
+    version, versionlz = heads[:, 0].astype(np.int64), heads[:, 1].astype(np.int64)
+    flags, typesize = heads[:, 2].astype(np.int64), heads[:, 3].astype(np.int64)
+    words = np.ascontiguousarray(heads[:, 4:16]).view("<i4").astype(np.int64)
+    h_nbytes, blocksize, cbytes = words[:, 0], words[:, 1], words[:, 2]
+    code = flags >> 5
+
+    def fail(bad: np.ndarray, reason: Callable[[int], str]) -> None:
+        i = _first(bad)
+        if i is not None:
+            raise ChunkDecodeError(keys[i], _CODEC, reason(i))
+
+    fail(
+        version != FORMAT_VERSION,
+        lambda i: (
+            f"Blosc format version {version[i]} is not supported (only version "
+            f"{FORMAT_VERSION}, written by c-blosc 1.x and numcodecs; is it a Blosc frame?)"
+        ),
+    )
+    fail(
+        (flags & _RESERVED) != 0,
+        lambda i: f"header flags {flags[i]:#04x} set the reserved bit 3",
+    )
+    fail(code >= len(CNAMES), lambda i: f"unknown compressor code {code[i]} in the header flags")
+    fail(
+        versionlz != 1,
+        lambda i: f"{CNAMES[code[i]]} format version {versionlz[i]} is not supported (only 1)",
+    )
+    fail(typesize == 0, lambda i: "typesize 0 in the header")
+    fail(
+        h_nbytes != nbytes,
+        lambda i: f"header declares {h_nbytes[i]} decoded bytes, expected {nbytes}",
+    )
+    fail(
+        cbytes != lengths,
+        lambda i: (
+            f"header declares a {cbytes[i]}-byte frame but {lengths[i]} bytes are "
+            "stored (truncated, or trailing bytes)"
+        ),
+    )
+    memcpyed = (flags & _MEMCPYED) != 0
+    shuffle = np.where(
+        memcpyed,
+        0,
+        np.where(
+            ((flags & _SHUFFLE) != 0) & (typesize > 1), 1, np.where(flags & _BITSHUFFLE, 2, 0)
+        ),
+    )
+    cname = tuple(CNAMES[c] for c in code)
+
+    parts: list[tuple[np.ndarray, ...]] = []
+    if nbytes > 0:
+        fail(
+            (blocksize <= 0) | (blocksize > nbytes),
+            lambda i: f"block size {blocksize[i]} in the header is not in 1..{nbytes}",
+        )
+        fail(
+            memcpyed & (cbytes != nbytes + HEADER_NBYTES),
+            lambda i: (
+                f"an uncompressed (memcpyed) frame of {nbytes} bytes must be "
+                f"{nbytes + HEADER_NBYTES} bytes long, not {cbytes[i]}"
+            ),
+        )
+        nblocks = -(-nbytes // np.maximum(blocksize, 1))
+        fail(
+            ~memcpyed & (cbytes < HEADER_NBYTES + 4 * nblocks),
+            lambda i: (
+                f"the table of {nblocks[i]} block starts does not fit in the {cbytes[i]}-byte frame"
+            ),
+        )
+        split = (
+            ((flags & _DONT_SPLIT) == 0)
+            & (typesize <= _MAX_SPLITS)
+            & (blocksize // typesize >= _MIN_SPLIT_ELEMENTS)
+        )
+        fail(
+            ~memcpyed & split & (blocksize % typesize != 0),
+            lambda i: (
+                f"block size {blocksize[i]} is split into {typesize[i]} streams but is "
+                "not a multiple of the typesize: the streams do not add up to the block"
+            ),
+        )
+        pending: tuple[list[int], ...] = ([], [], [], [], [])  # small frames, in order
+
+        def flush() -> None:
+            if pending[0]:
+                parts.append(tuple(np.array(col, dtype=np.int64) for col in pending))
+                for col in pending:
+                    col.clear()
+
+        nsplits = np.where(split, typesize, 1)
+        for i in range(n):
+            if memcpyed[i]:
+                walked: _Columns = ([HEADER_NBYTES], [nbytes], [0], [nbytes])
+            else:
+                args = (arrays[i], keys[i], nbytes, int(blocksize[i]), int(nsplits[i]))
+                if nblocks[i] * nsplits[i] <= _SCALAR_MAX_STREAMS:
+                    walked = _walk_scalar(*args)
+                else:
+                    flush()
+                    src, csize, dst, dsize = _walk_vectorized(*args)
+                    parts.append((np.full(src.size, i, dtype=np.int64), src, csize, dst, dsize))
+                    continue
+            pending[0].extend([i] * len(walked[0]))
+            for col, values in zip(pending[1:], walked, strict=True):
+                col.extend(values)
+        flush()
+    if parts:
+        chunk, src, csize, dst, dsize = (np.concatenate(col) for col in zip(*parts, strict=True))
+    else:
+        empty = np.zeros(0, dtype=np.int64)
+        chunk, src, csize, dst, dsize = empty, empty, empty, empty, empty
+    return BloscStreams(
+        chunk=chunk,
+        src=src,
+        csize=csize,
+        dst=dst,
+        dsize=dsize,
+        raw=csize == dsize,
+        nbytes=h_nbytes,
+        typesize=typesize,
+        blocksize=blocksize,
+        shuffle=shuffle,
+        memcpyed=memcpyed,
+        cname=cname,
+    )
+
+
+def _per_frame(value: Any, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.int64)
+    if arr.ndim == 0:
+        return np.full(n, int(arr), dtype=np.int64)
+    if arr.shape != (n,):
+        raise ValueError(f"{name} must be a scalar or have one entry per frame ({n})")
+    return arr
+
+
+def _byte_unshuffle(blocks: Any, typesize: int, xp: Any) -> Any:
+    """Undo the byte shuffle of the rows of ``blocks`` (each one block), or None."""
+    size = blocks.shape[1]
+    elements = size // typesize
+    whole = elements * typesize
+    if elements == 0:
+        return None
+    planes = blocks[:, :whole].reshape(-1, typesize, elements)
+    return xp.ascontiguousarray(planes.transpose(0, 2, 1)).reshape(-1, whole)
+
+
+def _bit_unshuffle(blocks: Any, typesize: int, xp: Any) -> Any:
+    """Undo the bit shuffle of the rows of ``blocks`` (each one block), or None."""
+    size = blocks.shape[1]
+    elements = size // typesize
+    whole = elements * typesize
+    if elements == 0 or elements % 8:
+        return None  # c-blosc stores such a block as is
+    # Shuffled: 8 * typesize rows (byte k, bit b of every element) of elements / 8 bytes,
+    # element e's bit at bit e % 8 of byte e // 8.
+    bits = xp.unpackbits(xp.ascontiguousarray(blocks[:, :whole]).reshape(-1), bitorder="little")
+    bits = bits.reshape(-1, typesize, 8, elements).transpose(0, 3, 1, 2)
+    packed = xp.packbits(xp.ascontiguousarray(bits).reshape(-1), bitorder="little")
+    return packed.reshape(-1, whole)
+
+
+def unshuffle(data: Any, typesize: Any, blocksize: Any, shuffle: Any, *, xp: Any = np) -> Any:
+    """Undo Blosc's byte or bit shuffle on decoded frames, block by block.
+
+    Each block is unshuffled on its own, as c-blosc does (see the module docstring: the
+    bytes past the block's whole elements stay as they are, and so does a bit-shuffled
+    block whose number of elements is not a multiple of 8). Frames sharing
+    ``(typesize, blocksize, shuffle)`` (normally the whole batch) are done together: a few
+    vectorized operations for all their full blocks, a few more for their short last
+    blocks. Only ``reshape``, ``transpose``, ``ascontiguousarray``, ``unpackbits`` /
+    ``packbits`` (flat, ``bitorder="little"``) and indexing are used, so CuPy runs it too.
+
+    Parameters
+    ----------
+    data : numpy.ndarray or cupy.ndarray
+        ``(n_frames, nbytes)`` uint8: the decoded, still shuffled bytes of each frame.
+    typesize, blocksize, shuffle : int or array-like
+        Per frame (host arrays, e.g. :class:`BloscStreams` fields) or one for all;
+        ``shuffle`` is 0 none, 1 byte, 2 bit, as resolved by :func:`parse_frames`.
+    xp : module
+        ``numpy`` or ``cupy``, the array module of ``data``.
+
+    Returns
+    -------
+    array
+        ``(n_frames, nbytes)`` uint8 unshuffled bytes: a new array, or ``data`` itself
+        when no frame is shuffled.
+    """
+    n, nbytes = data.shape
+    typesizes = _per_frame(typesize, n, "typesize")
+    blocksizes = _per_frame(blocksize, n, "blocksize")
+    shuffles = _per_frame(shuffle, n, "shuffle")
+    active = ((shuffles == 1) & (typesizes > 1)) | (shuffles == 2)
+    if nbytes == 0 or not active.any():
+        return data
+    if np.any(typesizes[active] <= 0) or np.any(blocksizes[active] <= 0):
+        raise ValueError("typesize and blocksize must be positive")
+    out = data.copy()
+    params = np.stack([typesizes, blocksizes, shuffles], axis=1)[active]
+    groups, inverse = np.unique(params, axis=0, return_inverse=True)
+    frame_ids = np.flatnonzero(active)
+    for g, (ts, bs, mode) in enumerate(groups.tolist()):
+        members = frame_ids[inverse.reshape(-1) == g]
+        undo = _byte_unshuffle if mode == 1 else _bit_unshuffle
+        nfull = nbytes // bs
+        spans = [(0, nfull * bs, bs), (nfull * bs, nbytes, nbytes - nfull * bs)]
+        for start, stop, size in spans:
+            if stop == start:
+                continue
+            # bound the temporaries of the bit shuffle by doing a few frames at a time
+            step = len(members) if mode == 1 else max(1, _BIT_PASS_NBYTES // (stop - start))
+            for lo in range(0, len(members), step):
+                part = members[lo : lo + step]
+                if len(part) == part[-1] - part[0] + 1:  # consecutive frames: slice
+                    rows: Any = slice(int(part[0]), int(part[-1]) + 1)
+                else:
+                    rows = xp.asarray(part)
+                region = data[rows, start:stop]
+                blocks = region.reshape(-1, size)
+                done = undo(blocks, ts, xp)
+                if done is None:
+                    continue
+                if done.shape[1] < size:  # leftover bytes at each block's end stay
+                    blocks = blocks.copy()
+                    blocks[:, : done.shape[1]] = done
+                    done = blocks
+                out[rows, start:stop] = done.reshape(len(part), stop - start)
+    return out
+
+
+def _decompress(cname: str, payload: np.ndarray, dsize: int, key: str) -> np.ndarray:
+    """One compressed stream, decoded on the host."""
+    try:
+        if cname == "lz4":
+            prefix = np.array([dsize], dtype="<u4").view(np.uint8)
+            decoded = numcodecs.LZ4().decode(np.concatenate([prefix, payload]))
+        elif cname == "zstd":
+            decoded = numcodecs.Zstd().decode(payload)
+        else:  # zlib
+            decoded = zlib.decompress(payload.tobytes())
+    except Exception as exc:
+        raise ChunkDecodeError(key, _CODEC, f"a {cname} stream does not decode ({exc})") from exc
+    out = np.frombuffer(decoded, dtype=np.uint8)
+    if out.size != dsize:
+        raise ChunkDecodeError(
+            key, _CODEC, f"a {cname} stream decodes to {out.size} bytes, expected {dsize}"
+        )
+    return out
+
+
+def decode_host(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> np.ndarray:
+    """Decode a batch of Blosc1 frames on the host, stream by stream (a reference).
+
+    Uses :func:`parse_frames` and :func:`unshuffle` exactly as the device path does; only
+    the stream decompression (numcodecs' LZ4 and Zstd, zlib) differs.
+
+    Parameters
+    ----------
+    frames : sequence of numpy.ndarray
+        One whole Blosc frame per chunk, 1-D uint8.
+    keys : sequence of str
+        Chunk keys, for error messages.
+    nbytes : int
+        Decoded size of every frame.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(n_frames, nbytes)`` uint8, the decoded bytes.
+
+    Raises
+    ------
+    ChunkDecodeError
+        A frame is damaged, or needs a compressor with no batched decoder (blosclz,
+        snappy).
+    """
+    streams = parse_frames(frames, keys, nbytes)
+    arrays = [_as_frame(f) for f in frames]
+    unsupported = np.array([c not in BATCHED_CNAMES for c in streams.cname], dtype=bool)
+    s = _first(unsupported[streams.chunk] & ~streams.raw)
+    if s is not None:
+        i = int(streams.chunk[s])
+        raise ChunkDecodeError(
+            keys[i],
+            _CODEC,
+            f"the Blosc compressor {streams.cname[i]!r} has no batched decoder here (only "
+            "lz4, lz4hc, zstd and zlib); read this array with zarr's own codec pipeline, or "
+            "recompress it with a supported compressor",
+        )
+    out = np.empty((len(arrays), nbytes), dtype=np.uint8)
+    for c, src, csize, dst, dsize, raw in zip(
+        streams.chunk.tolist(),
+        streams.src.tolist(),
+        streams.csize.tolist(),
+        streams.dst.tolist(),
+        streams.dsize.tolist(),
+        streams.raw.tolist(),
+        strict=True,
+    ):
+        payload = arrays[c][src : src + csize]
+        if raw:
+            out[c, dst : dst + dsize] = payload
+        else:
+            out[c, dst : dst + dsize] = _decompress(streams.cname[c], payload, dsize, keys[c])
+    result: np.ndarray = unshuffle(out, streams.typesize, streams.blocksize, streams.shuffle, xp=np)
+    return result
