@@ -3,7 +3,8 @@
 # after `PATH=$PWD/.venv/bin:$PATH ../shared/gpu/prepare cftime==1.6.6.1` here:
 #   run(command="bash scripts/gpu-run.sh [tests|bench|all]", carry=[".whl"])
 # Installs the carried wheels, then runs the whole suite with XARRAY_GDS_REQUIRE_GPU=1
-# and/or `xarray-gds bench`, writing logs and results under $OUT.
+# and/or `xarray-gds bench`, writing logs and results under $OUT. BENCH_CASES (names
+# separated by spaces) limits the benchmark to those cases.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/xarray-gds-out}
@@ -20,7 +21,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   tail -5 "$out/demo.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 400 python3 -m xarray_gds.cli bench --size-gb 2 --repeat 3 \
+  cases=()
+  for c in ${BENCH_CASES:-}; do cases+=(--case "$c"); done
+  timeout 400 python3 -m xarray_gds.cli bench --size-gb 2 --repeat 3 "${cases[@]}" \
     --json "$out/bench.json" 2>&1 | grep -v -i warn | tee "$out/bench.txt" || rc=1
 fi
 exit $rc

@@ -262,8 +262,8 @@ def _walk(
     status = cp.empty(n, dtype=cp.int64)
     args: tuple[Any, ...] = (batch.arena, cp.asarray(offsets), cp.asarray(sizes), np.int32(n))
     if name == "lz4":
-        wanted = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), (n,))
-        args += (cp.asarray(wanted),)
+        wanted = np.full(n, nbytes, dtype=np.int64) if np.ndim(nbytes) == 0 else nbytes
+        args += (cp.asarray(np.ascontiguousarray(wanted, dtype=np.int64)),)
     threads = 128
     kernel(((n + threads - 1) // threads,), (threads,), (*args, status))
     codes = cp.asnumpy(status)
