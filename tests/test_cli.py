@@ -315,13 +315,18 @@ def test_codec_name() -> None:
 def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--case", "host-zstd-4MB", "--size-gb", "0.04", "--repeat", "1"]
-    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    profiles = tmp_path / "profiles"
+    assert cli.main([*argv, "--json", str(out_json), "--profile", str(profiles)]) == 0
     out = capsys.readouterr().out
     assert "| host-zstd-4MB |" in out and "| gds-zarr |" in out and "| zarr |" in out
     data = json.loads(out_json.read_text())
     (result,) = data["results"]
     assert set(result["seconds"]) == {"gds-zarr", "zarr"}
     assert all(v > 0 for v in result["seconds"].values())
+    # one profile per contender, showing the engine's own read path
+    names = sorted(p.name for p in profiles.iterdir())
+    assert names == ["host-zstd-4MB.gds-zarr.txt", "host-zstd-4MB.zarr.txt"]
+    assert "pipeline.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
 
 
 def test_bench_unknown_case(capsys: pytest.CaptureFixture[str]) -> None:

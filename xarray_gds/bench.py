@@ -194,6 +194,25 @@ def _mean_zarr(paths: list[Path]) -> Any:
     return t.mean("time").compute().data
 
 
+def _profile(fn: Callable[[], Any], path: Path) -> None:
+    """One more run of ``fn`` under cProfile; the 40 costliest functions (own time, then
+    cumulative time) go to ``path`` as text."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    _sync()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(text.getvalue())
+
+
 def _case(
     name: str,
     path: Path,
@@ -201,6 +220,7 @@ def _case(
     contenders: dict[str, Callable[[], Any]],
     warm_all: bool = True,
     n_stores: int = 1,
+    profile_dir: Path | None = None,
 ) -> Result:
     arr = zarr.open_array(path / "t", mode="r")
     nbytes = arr.nbytes * n_stores
@@ -209,6 +229,8 @@ def _case(
         if warm_all or k == 0:
             fn()  # warm up: page cache, imports, CUDA context, nvCOMP handles
         result.seconds[label] = _time(fn, repeat, _sync)
+        if profile_dir is not None:
+            _profile(fn, profile_dir / f"{name}.{label}.txt")
     return result
 
 
@@ -218,10 +240,14 @@ def run(
     repeat: int = 3,
     cases: list[str] | None = None,
     on_result: Callable[[Result], None] | None = None,
+    profile_dir: Path | None = None,
 ) -> list[Result]:
     """Run the benchmark cases; see ``CASES`` for names.
 
-    ``on_result`` is called with each case's result as soon as it is measured.
+    ``on_result`` is called with each case's result as soon as it is measured. With
+    ``profile_dir``, each contender runs once more under cProfile (after its timed
+    runs, so the timings are unaffected) and its profile is written there as
+    ``CASE.CONTENDER.txt``.
     """
     cuda, _ = _device.cuda_status()
     tmp = Path(tempfile.mkdtemp(prefix="xarray-gds-bench-", dir=workdir))
@@ -241,9 +267,8 @@ def run(
                 warnings.simplefilter("ignore", RuntimeWarning)
                 warnings.simplefilter("ignore", FutureWarning)
                 rep = spec.get("repeat", repeat)
-                results.append(
-                    _case(name, path, rep, contenders, spec.get("warm_all", True), n_stores)
-                )
+                warm_all = spec.get("warm_all", True)
+                results.append(_case(name, path, rep, contenders, warm_all, n_stores, profile_dir))
             if on_result is not None:
                 on_result(results[-1])
             for p in _mf_paths(path, n_stores):

@@ -588,12 +588,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     ok, reason = _device.cuda_status()
     if not ok:
         print(f"no GPU ({reason}): running the host cases only")
+    profile_dir = Path(args.profile) if args.profile else None
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
     results = bench.run(
         workdir=Path(args.dir) if args.dir else None,
         size_gb=args.size_gb,
         repeat=args.repeat,
         cases=cases,
         on_result=lambda r: print(bench.format_table([r]), flush=True),
+        profile_dir=profile_dir,
     )
     print("\nall cases:")
     print(bench.format_table(results))
@@ -663,6 +667,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--case", action="append", help="run only this case (repeatable)")
     bench.add_argument("--dir", help="where to write the stores (default: a temp dir)")
     bench.add_argument("--json", help="also write the results as JSON to this file")
+    bench.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed runs, profile one more run of each contender (cProfile) "
+        "and write CASE.CONTENDER.txt to DIR",
+    )
     bench.set_defaults(run=_run_bench)
     return parser
 
