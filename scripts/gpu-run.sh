@@ -4,7 +4,8 @@
 #   run(command="bash scripts/gpu-run.sh [tests|bench|all]", carry=[".whl"])
 # Installs the carried wheels, then runs the whole suite with XARRAY_GDS_REQUIRE_GPU=1
 # and/or `xarray-gds bench`, writing logs and results under $OUT. BENCH_CASES (names
-# separated by spaces) limits the benchmark to those cases.
+# separated by spaces) limits the benchmark to those cases; BENCH_PROFILE=1 adds a
+# cProfile of one more run per contender under $OUT/profiles.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/xarray-gds-out}
@@ -23,6 +24,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   cases=()
   for c in ${BENCH_CASES:-}; do cases+=(--case "$c"); done
+  if [ -n "${BENCH_PROFILE:-}" ]; then cases+=(--profile "$out/profiles"); fi
   timeout 400 python3 -m xarray_gds.cli bench --size-gb 2 --repeat 3 "${cases[@]}" \
     --json "$out/bench.json" 2>&1 | grep -v -i warn | tee "$out/bench.txt" || rc=1
 fi
