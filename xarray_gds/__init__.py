@@ -12,6 +12,7 @@ from xarray_gds.chunks import GdsDaskManager
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import GdsStore
+from xarray_gds.write import to_zarr
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,5 @@ __all__ = [
     "open_store",
     "placement",
     "resolve_device",
+    "to_zarr",
 ]

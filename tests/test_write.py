@@ -1,0 +1,176 @@
+"""xarray_gds.to_zarr: datasets on either device written like Dataset.to_zarr does."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import xarray_gds
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
+    pytest.mark.filterwarnings("ignore:xarray-gds. to_zarr encodes on the host:RuntimeWarning"),
+]
+
+ROUND_TRIPS = [
+    (3, "zstd"),
+    (3, "gzip"),
+    (3, "sharded"),
+    (3, "blosc"),
+    (3, "big-endian"),
+    (2, "zstd"),
+    (2, "lz4"),
+    (2, "zlib"),
+    (2, "blosc"),
+    (2, "shuffle-zstd"),
+]
+
+
+def _open(path: Path) -> xr.Dataset:
+    return xr.open_dataset(path, engine="zarr").load()
+
+
+def _xarray_round_trip(src: Path, tmp_path: Path, **kwargs: Any) -> xr.Dataset:
+    """What xarray alone gives for read -> to_zarr -> read (the reference: CF encoding
+    does not round-trip every variable exactly, e.g. ``_Unsigned`` with a fill value)."""
+    out = tmp_path / "xarray-round-trip.zarr"
+    xr.open_dataset(src, engine="zarr").to_zarr(out, mode="w", **kwargs)
+    return _open(out)
+
+
+@pytest.mark.parametrize(("zarr_format", "codec"), ROUND_TRIPS)
+def test_round_trip_keeps_values_and_encoding(
+    tmp_path: Path, store_factory: Callable, device: str, zarr_format: int, codec: str
+) -> None:
+    """engine="zarr"-written store -> gds-zarr read -> to_zarr -> engine="zarr" read."""
+    src = store_factory(zarr_format, codec)
+    # xarray + zarr cannot write back a v2 string variable they read (both engines)
+    skip = {"drop_variables": ["station"]}
+    gds = xr.open_dataset(src, engine="gds-zarr", device=device, **skip)
+    out, out_ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
+    xarray_gds.to_zarr(gds, out, zarr_format=zarr_format)
+    # the reference: the same round trip with xarray's own reader and writer
+    xr.open_dataset(src, engine="zarr", **skip).to_zarr(out_ref, zarr_format=zarr_format)
+    ref = xr.open_dataset(out_ref, engine="zarr")
+    got = xr.open_dataset(out, engine="zarr")
+    xr.testing.assert_identical(got.load(), ref.load())
+    for name in ("t2m", "u10", "qc"):
+        for key in ("chunks", "shards", "compressors", "filters", "dtype"):
+            assert got[name].encoding.get(key) == ref[name].encoding.get(key), (name, key)
+        fills = [np.asarray(e.get("_FillValue")) for e in (got[name].encoding, ref[name].encoding)]
+        np.testing.assert_array_equal(*fills)
+    # the stored bytes decode to the same raw values
+    for name in ("t2m", "u10", "qc"):
+        raw = xr.open_dataset(out, engine="zarr", mask_and_scale=False)[name].values
+        raw_ref = xr.open_dataset(out_ref, engine="zarr", mask_and_scale=False)[name].values
+        np.testing.assert_array_equal(raw, raw_ref)
+    # and it reads back through the engine as it was written
+    again = xr.open_dataset(out, engine="gds-zarr", device=device)
+    xr.testing.assert_identical(again.load().as_numpy(), ref.load())
+
+
+def test_loaded_device_values_are_written(tmp_path: Path, v3_store: Path, device: str) -> None:
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device).load()
+    on_device = hasattr(gds.t2m.data, "__cuda_array_interface__")
+    assert on_device == (device == "cuda")
+    xarray_gds.to_zarr(gds, tmp_path / "out.zarr")
+    want = _xarray_round_trip(v3_store, tmp_path)
+    xr.testing.assert_identical(_open(tmp_path / "out.zarr"), want)
+
+
+def test_modes_match_xarray(tmp_path: Path, v3_store: Path, device: str) -> None:
+    """w, append_dim, w-, region (dict and "auto") with mode r+: as engine="zarr" does."""
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device)
+    ref = xr.open_dataset(v3_store, engine="zarr")
+    ours, theirs = tmp_path / "ours.zarr", tmp_path / "theirs.zarr"
+    head, tail = {"time": slice(0, 4)}, {"time": slice(4, None)}
+    xarray_gds.to_zarr(gds.isel(head), ours, mode="w")
+    ref.isel(head).to_zarr(theirs, mode="w")
+    xarray_gds.to_zarr(gds.isel(tail), ours, append_dim="time")
+    ref.isel(tail).to_zarr(theirs, append_dim="time")
+    xr.testing.assert_identical(_open(ours), _open(theirs))
+    with pytest.raises(FileExistsError):
+        ref.to_zarr(theirs, mode="w-")
+    with pytest.raises(FileExistsError):
+        xarray_gds.to_zarr(gds, ours, mode="w-")
+
+    def update(ds: xr.Dataset) -> xr.Dataset:
+        part = ds[["t2m", "u10"]].drop_vars(["area"]).isel(time=slice(2, 6))
+        return part + 1.5
+
+    region = {"time": slice(2, 6)}
+    no_index = ["lat", "lon", "time"]
+    xarray_gds.to_zarr(update(gds).drop_vars(no_index), ours, region=region, mode="r+")
+    update(ref).drop_vars(no_index).to_zarr(theirs, region=region, mode="r+")
+    xr.testing.assert_identical(_open(ours), _open(theirs))
+    xarray_gds.to_zarr(update(gds) * 2, ours, region="auto", mode="r+")
+    (update(ref) * 2).to_zarr(theirs, region="auto", mode="r+")
+    xr.testing.assert_identical(_open(ours), _open(theirs))
+
+
+def test_dask_compute_false_and_empty_chunks(tmp_path: Path, v3_store: Path, device: str) -> None:
+    pytest.importorskip("dask.array")
+    kw: dict[str, Any] = {"chunks": {}}
+    if device == "cuda":
+        kw["chunked_array_type"] = xarray_gds.GdsDaskManager()  # CuPy blocks and meta
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device, **kw)
+    want = _xarray_round_trip(v3_store, tmp_path)
+    out = tmp_path / "out.zarr"
+    delayed = xarray_gds.to_zarr(gds, out, compute=False, write_empty_chunks=False)
+    assert (out / "t2m" / "zarr.json").exists()
+    assert not (out / "t2m" / "c" / "1" / "1" / "1").exists()  # nothing written yet
+    delayed.compute()
+    xr.testing.assert_identical(_open(out), want)
+    # the chunk of t2m that is all NaN (the fill value) was not written
+    assert not (out / "t2m" / "c" / "0" / "0" / "0").exists()
+    assert (out / "t2m" / "c" / "1" / "1" / "1").exists()
+
+
+def test_failed_write_leaves_whole_chunks(
+    tmp_path: Path, v3_store: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails half way: the store opens, every chunk is old or new.
+
+    The failure is injected where a chunk's bytes, fully written to a temporary file,
+    would replace the chunk: a store that wrote chunks in place could be left torn.
+    """
+    path = tmp_path / "store.zarr"
+    shutil.copytree(v3_store, path)
+    gds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    new = gds[["t2m"]].drop_vars(["area", "lat", "lon", "time"]) + 1000.0
+    real_replace = Path.replace
+    replaced: list[str] = []
+
+    def flaky_replace(self: Path, target: Any) -> Any:
+        if "t2m" in Path(target).parts and Path(target).name != "zarr.json":
+            if len(replaced) == 5:
+                raise OSError("disk full (injected)")
+            replaced.append(str(target))
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", flaky_replace)
+    with pytest.raises(OSError, match="injected"):
+        xarray_gds.to_zarr(new, path, region={"time": slice(None)}, mode="r+")
+    monkeypatch.undo()
+    got = xr.open_dataset(path, engine="zarr").t2m.values
+    old = xr.open_dataset(v3_store, engine="zarr").t2m.values
+    n_new = n_changing = 0
+    for t in range(0, got.shape[0], 4):
+        for y in range(0, got.shape[1], 4):
+            for x in range(0, got.shape[2], 5):
+                sl = (slice(t, t + 4), slice(y, y + 4), slice(x, x + 5))
+                n_changing += not np.isnan(old[sl]).all()
+                if np.array_equal(got[sl], old[sl], equal_nan=True):
+                    continue
+                np.testing.assert_array_equal(got[sl], old[sl] + 1000.0)  # never torn
+                n_new += 1
+    # the chunks written before the failure (and those already in flight) are new; the
+    # one whose write failed is old
+    assert 5 <= n_new < n_changing
+    assert not list(path.rglob("*.partial"))  # no temporary file left behind
