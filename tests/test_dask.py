@@ -235,6 +235,9 @@ def test_device_blocks_evaluate_each_slice(v3_store: Path) -> None:
     assert type(part) is np.ndarray
     want = xr.open_dataset(v3_store, engine="zarr").t2m.values
     np.testing.assert_array_equal(part, want[1:3, :, 2:4])
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):  # 0 and 1: not for xarray
+        again = pickle.loads(pickle.dumps(blocks, protocol=protocol))
+        assert again.shape == blocks.shape
     clone = pickle.loads(pickle.dumps(blocks))
     assert clone.shape == blocks.shape and clone.dtype == blocks.dtype
     lazy = da.from_array(clone, chunks=(4, 4, 5), asarray=False, meta=np.empty((0, 0, 0)))

@@ -174,3 +174,17 @@ def test_failed_write_leaves_whole_chunks(
     # one whose write failed is old
     assert 5 <= n_new < n_changing
     assert not list(path.rglob("*.partial"))  # no temporary file left behind
+
+
+def test_urls_and_stores_go_to_xarray_unchanged(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(xr.Dataset, "to_zarr", lambda self, store, **kw: seen.append(store))
+    ds = xr.Dataset({"a": ("x", np.arange(3))})
+    xarray_gds.to_zarr(ds, "s3://bucket/out.zarr", mode="w")
+    store = xarray_gds.GdsStore(tmp_path / "s.zarr", read_only=False)
+    xarray_gds.to_zarr(ds, store)
+    xarray_gds.to_zarr(ds, str(tmp_path / "local.zarr"))
+    assert seen[0] == "s3://bucket/out.zarr" and seen[1] is store
+    assert isinstance(seen[2], xarray_gds.GdsStore)

@@ -63,10 +63,10 @@ class DeviceBlocks:
         return values
 
     def __getstate__(self) -> Any:
-        return self._data
+        return (self._data,)
 
-    def __setstate__(self, data: Any) -> None:
-        self.__init__(data)  # type: ignore[misc]
+    def __setstate__(self, state: Any) -> None:
+        self.__init__(state[0])  # type: ignore[misc]
 
 
 class GdsDaskManager(DaskManager):

@@ -44,13 +44,15 @@ _ZARR_DEFAULT = "zarr.core.codec_pipeline.BatchedCodecPipeline"
 _warned: set[str] = set()
 
 
-def batch_bytes() -> int:
-    """Decoded bytes per batch of a read (``XARRAY_GDS_BATCH_BYTES``, default 4 GiB).
+def batch_bytes(on_device: bool = True) -> int:
+    """Decoded bytes per batch of a read (``XARRAY_GDS_BATCH_BYTES``; default 4 GiB on
+    the GPU, 1 GiB on the host).
 
-    A read of more chunks than fit runs batch after batch, each fetched, decoded and
-    scattered before the next, so its working set stays bounded whatever its size.
+    A read of more chunks than fit runs batch after batch (the next one read while the
+    current one decodes), so its working set stays bounded whatever its size.
     """
-    return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", 4 << 30))
+    default = 4 << 30 if on_device else 1 << 30
+    return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", default))
 
 
 _config_lock = threading.RLock()
@@ -224,13 +226,14 @@ register_pipeline(GdsCodecPipeline)
 
 
 def _budget(on_device: bool) -> int:
-    """Decoded bytes per batch: the configured budget, and on the GPU at most a
-    quarter of the free device memory (the batch's compressed and decoded copies
-    live beside the output)."""
-    budget = batch_bytes()
+    """Decoded bytes per batch: the configured budget, and on the GPU at most a sixth
+    of the free device memory. Beside the output live the compressed bytes of two
+    batches (the one decoding and the next one being read), the decoded rows of one,
+    and up to two more decoded-size temporaries (realignment, byte order, tiling)."""
+    budget = batch_bytes(on_device)
     if on_device:
         free, _ = _device.cupy().cuda.runtime.memGetInfo()
-        budget = min(budget, max(1, free // 4))
+        budget = min(budget, max(1, free // 6))
     return budget
 
 

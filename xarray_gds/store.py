@@ -99,7 +99,7 @@ class DeviceBatch:
     Attributes
     ----------
     arena : cupy.ndarray
-        uint8 buffer holding every present file, each starting at an 8-byte boundary.
+        uint8 buffer holding every present file, each starting at a 16-byte boundary.
     offsets, sizes : numpy.ndarray
         int64 start and length of each file in ``arena``; ``sizes`` is -1 for
         missing files.
@@ -193,6 +193,10 @@ def _short_read(path: Any, got: int, size: int) -> OSError:
 
 def _read_kvikio(reads: list[tuple[Any, int, int, int]], arena: Any) -> None:
     kvikio = _device.kvikio()
+    # kvikio writes into the arena outside CuPy's stream order, and CuPy's pool may
+    # have handed out memory that kernels queued on this stream still read (a buffer
+    # another batch just freed): let them finish first
+    _device.cupy().cuda.get_current_stream().synchronize()
     # at most _OPEN_FILES files open at once (many small chunks would exhaust the
     # process's file descriptors); all reads of a window are in flight together
     for first in range(0, len(reads), _OPEN_FILES):

@@ -90,7 +90,8 @@ def to_zarr(ds: xr.Dataset, store: str | os.PathLike[str] | Any, **kwargs: Any) 
         Variables may be numpy, CuPy, dask (of numpy or CuPy blocks), or lazily loaded
         by ``engine="gds-zarr"``.
     store : str, path or zarr Store
-        A directory path is written through :class:`~xarray_gds.store.GdsStore`.
+        A local directory is written through :class:`~xarray_gds.store.GdsStore`;
+        URLs (``"s3://..."``) and Store objects go to ``Dataset.to_zarr`` unchanged.
     **kwargs
         Everything ``xarray.Dataset.to_zarr`` takes (``mode``, ``append_dim``,
         ``region``, ``encoding``, ``consolidated``, ``zarr_format``, ``compute``,
@@ -102,8 +103,8 @@ def to_zarr(ds: xr.Dataset, store: str | os.PathLike[str] | Any, **kwargs: Any) 
     ``compute=False``).
     """
     global _warned
-    if isinstance(store, str | os.PathLike):
-        store = GdsStore(Path(store), read_only=False)
+    if isinstance(store, os.PathLike) or (isinstance(store, str) and "://" not in store):
+        store = GdsStore(Path(store), read_only=False)  # URLs go to xarray as they are
     host, moved = to_host(ds)
     if moved and not _warned:
         _warned = True

@@ -47,15 +47,19 @@ def parallel(fn: Any, n: int) -> None:
 def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]:
     """Check and remove the trailing CRC-32C (little-endian) of every chunk."""
     out = []
-    for raw, key in zip(chunks, keys, strict=True):
+    for i, raw in enumerate(chunks):  # keys[i] only on error: they may be formatted lazily
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
         if data.size < 4:
-            raise ChunkDecodeError(key, "crc32c", f"{data.size} bytes is too short for a checksum")
+            raise ChunkDecodeError(
+                keys[i], "crc32c", f"{data.size} bytes is too short for a checksum"
+            )
         body, stored = data[:-4], int(data[-4:].view("<u4")[0])
         actual = google_crc32c.value(body.tobytes())
         if actual != stored:
             raise ChunkDecodeError(
-                key, "crc32c", f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x})"
+                keys[i],
+                "crc32c",
+                f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x})",
             )
         out.append(body)
     return out
@@ -88,11 +92,11 @@ def decompress(
 def stack(chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> np.ndarray:
     """Uncompressed chunks as one ``(n, nbytes)`` array, checking every size."""
     out = np.empty((len(chunks), nbytes), dtype=np.uint8)
-    for i, (raw, key) in enumerate(zip(chunks, keys, strict=True)):
+    for i, raw in enumerate(chunks):
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
         if data.size != nbytes:
             raise ChunkDecodeError(
-                key, "bytes", f"chunk holds {data.size} bytes, expected {nbytes}"
+                keys[i], "bytes", f"chunk holds {data.size} bytes, expected {nbytes}"
             )
         out[i] = data
     return out

@@ -220,7 +220,7 @@ def gather(
     cp = _device.cupy()
     threads = 256
     largest = int(sizes.max())
-    per = max(1, min(256, -(-largest // (threads * 64))))
+    per = max(1, min(256, -(-largest // (threads * 64)), (2**31 - 1) // n))
     _kernel(_GATHER, "gather")(
         (n * per,),
         (threads,),
