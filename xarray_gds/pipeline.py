@@ -575,7 +575,7 @@ def _decode_and_scatter(
     if on_device:
         from xarray_gds.codecs import nvcomp
 
-        present = [i for i, size in enumerate(fetched.sizes.tolist()) if size >= 0]
+        present = np.flatnonzero(fetched.sizes >= 0).tolist()
     else:
         present = [i for i, data in enumerate(fetched) if data is not None]
     target = out.as_ndarray_like()

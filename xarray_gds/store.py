@@ -60,18 +60,10 @@ def _read_host(path: Path, byte_range: ByteRequest | None) -> bytes:
 
 def _read_device(path: Path, byte_range: ByteRequest | None) -> Any:
     """Read a byte span of ``path`` into a new CuPy uint8 array with kvikio."""
-    cp = _device.cupy()
-    kvikio = _device.kvikio()
     offset, nbytes = _byte_span(path.stat().st_size, byte_range)
-    out = cp.empty(nbytes, dtype=cp.uint8)
+    out = _device.cupy().empty(nbytes, dtype=np.uint8)
     if nbytes:
-        with kvikio.CuFile(path, "r") as f:
-            got = f.pread(out, nbytes, offset).get()
-        if got != nbytes:
-            raise OSError(
-                f"short read from {path}: got {got} of {nbytes} bytes at offset {offset}; "
-                "the file changed or is truncated"
-            )
+        _read_kvikio([(path, offset, 0, nbytes)], out)
     return out
 
 

@@ -102,11 +102,7 @@ class DecodeChain:
     @property
     def device_ready(self) -> bool:
         """True when every stage also runs on the GPU."""
-        return (
-            not self.crc32c
-            and (self.compressor is None or self.compressor.device_ready)
-            and all(f.device_ready for f in self.filters)
-        )
+        return not self.host_only
 
     @property
     def host_only(self) -> str:

@@ -357,29 +357,8 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
     src = _aligned(batch, offsets, sizes)
     row = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     out = cp.empty((m, row), dtype=cp.uint8)
-    stream, _ = _state()
-    # nvCOMP runs on its own stream: make it wait for the reads and copies above
-    stream.wait_event(cp.cuda.get_current_stream().record())
-    codec = _codec(name)
-    inputs = _batch(src.arena, src.offsets, src.sizes, stream)
-    outputs = _batch(
-        out.reshape(-1), np.arange(m, dtype=np.int64) * row, np.full(m, nbytes), stream
-    )
-    try:
-        result = codec.decode(inputs, out=outputs)
-        got = np.asarray(result.buffer_sizes, dtype=np.int64)
-    except (RuntimeError, ValueError) as err:
-        stream.synchronize()
-        # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
-        found = re.search(r"array (\d+)", str(err))
-        where = int(found.group(1)) if found and int(found.group(1)) < m else None
-        key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
-        raise ChunkDecodeError(key, name, str(err)) from err
-    stream.synchronize()
-    bad = np.flatnonzero(got != nbytes)
-    if bad.size:
-        j = int(bad[0])
-        raise ChunkDecodeError(keys[j], name, f"decoded to {int(got[j])} bytes, expected {nbytes}")
+    rows = np.arange(m, dtype=np.int64) * row
+    _run(name, name, src, out.reshape(-1), rows, np.full(m, nbytes, dtype=np.int64), keys)
     return cp.ascontiguousarray(out[:, :nbytes]) if row != nbytes else out
 
 
@@ -427,11 +406,10 @@ def decode_blosc(
         if cname == "zlib":  # raw deflate between a 2-byte header and an Adler-32
             start, length = start + 2, length - 6
         stream_keys = _StreamKeys(keys, which, cname)
-        decoded = _decode_streams(
+        decoded, at = _decode_streams(
             _BLOSC_STREAMS[cname], batch.arena, start, length, streams.dsize[pick], stream_keys
         )
-        staged_offsets, _ = pack_offsets(streams.dsize[pick], _ALIGN)
-        gather(decoded, staged_offsets, flat, dst[pick], streams.dsize[pick])
+        gather(decoded, at, flat, dst[pick], streams.dsize[pick])
     return blosc.unshuffle(out, streams.typesize, streams.blocksize, streams.shuffle, xp=cp)
 
 
@@ -457,41 +435,57 @@ def _decode_streams(
     lengths: np.ndarray,
     decoded_sizes: np.ndarray,
     keys: Sequence[str],
-) -> Any:
+) -> tuple[Any, np.ndarray]:
     """Decode streams of any alignment and sizes with one nvCOMP call.
 
-    Returns the decoded bytes packed at ``pack_offsets(decoded_sizes, 16)``.
+    Returns a buffer of the decoded streams and the offset of each in it.
     """
     cp = _device.cupy()
     if np.any(lengths <= 0):
         j = int(np.flatnonzero(lengths <= 0)[0])
         raise ChunkDecodeError(keys[j], "blosc", "empty compressed stream")
-    in_offsets, in_total = pack_offsets(lengths, _ALIGN)
-    staged = cp.empty(max(in_total, 1), dtype=cp.uint8)
-    gather(arena, starts, staged, in_offsets, lengths)
+    src = _aligned(DeviceBatch(arena, starts, lengths), starts, lengths)
     if name in _KERNELS:
-        staged_batch = DeviceBatch(staged, in_offsets, lengths)
-        _walk(name, staged_batch, in_offsets, lengths, decoded_sizes, keys, "blosc")
+        _walk(name, src, src.offsets, src.sizes, decoded_sizes, keys, "blosc")
     out_offsets, out_total = pack_offsets(decoded_sizes, _ALIGN)
     out = cp.empty(max(out_total, 1), dtype=cp.uint8)
+    _run(name, "blosc", src, out, out_offsets, decoded_sizes, keys)
+    return out, out_offsets
+
+
+def _run(
+    name: str,
+    codec: str,
+    src: DeviceBatch,
+    out: Any,
+    out_offsets: np.ndarray,
+    out_sizes: np.ndarray,
+    keys: Sequence[str],
+) -> None:
+    """One nvCOMP ``name`` call: the streams of ``src`` into ``out_sizes[i]`` bytes at
+    ``out_offsets[i]`` of ``out``. Failures and decoded sizes other than ``out_sizes``
+    raise ChunkDecodeError naming the stream's key and ``codec``."""
+    cp = _device.cupy()
+    m = len(keys)
     stream, _ = _state()
+    # nvCOMP runs on its own stream: make it wait for the reads and copies above
     stream.wait_event(cp.cuda.get_current_stream().record())
-    codec = _codec(name)
-    inputs = _batch(staged, in_offsets, lengths, stream)
-    outputs = _batch(out, out_offsets, decoded_sizes, stream)
+    inputs = _batch(src.arena, src.offsets, src.sizes, stream)
+    outputs = _batch(out, out_offsets, out_sizes, stream)
     try:
-        result = codec.decode(inputs, out=outputs)
+        result = _codec(name).decode(inputs, out=outputs)
         got = np.asarray(result.buffer_sizes, dtype=np.int64)
     except (RuntimeError, ValueError) as err:
         stream.synchronize()
+        # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
         found = re.search(r"array (\d+)", str(err))
-        where = int(found.group(1)) if found and int(found.group(1)) < len(keys) else 0
-        raise ChunkDecodeError(keys[where], "blosc", str(err)) from err
+        where = int(found.group(1)) if found and int(found.group(1)) < m else None
+        key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
+        raise ChunkDecodeError(key, codec, str(err)) from err
     stream.synchronize()
-    bad = np.flatnonzero(got != decoded_sizes)
+    bad = np.flatnonzero(got != out_sizes)
     if bad.size:
         j = int(bad[0])
         raise ChunkDecodeError(
-            keys[j], "blosc", f"decoded to {int(got[j])} bytes, expected {int(decoded_sizes[j])}"
+            keys[j], codec, f"decoded to {int(got[j])} bytes, expected {int(out_sizes[j])}"
         )
-    return out
