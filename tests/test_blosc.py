@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from numcodecs import blosc as nc_blosc
 
 from xarray_gds.codecs import blosc as blosc_module
-from xarray_gds.codecs.blosc import BloscStreams, decode_host, parse_frames, unshuffle
+from xarray_gds.codecs.blosc import (
+    BloscStreams,
+    decode_host,
+    parse_frames,
+    sparse_tables,
+    unshuffle,
+)
 from xarray_gds.errors import ChunkDecodeError
 
 CNAMES = ("lz4", "lz4hc", "zstd", "zlib")
@@ -414,6 +420,223 @@ def test_blosclz_parses_but_has_no_batched_decoder():
     stored = numcodecs.Blosc("blosclz", 0, numcodecs.Blosc.SHUFFLE, typesize=4)
     plain = [_encode(stored, data)]
     np.testing.assert_array_equal(decode_host(plain, ["b/1"], data.size)[0], data)
+
+
+# --- only the bytes the parser reads come to the host --------------------------------------
+
+
+class _CountingXp:
+    """numpy as the array module of :func:`sparse_tables`, counting the bytes it copies
+    to the "host" (``asnumpy``) and the copies."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.copies = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(np, name)
+
+    def asnumpy(self, a: np.ndarray) -> np.ndarray:
+        self.nbytes += a.nbytes
+        self.copies += 1
+        return np.array(a)
+
+
+def _lay_out(
+    frames: list[np.ndarray], seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``frames`` in one arena with gaps of junk (nonzero bytes) before, between and after
+    them: ``(arena, offsets, sizes, junk)``, ``junk`` the mask of the junk bytes."""
+    rng = np.random.default_rng(seed)
+    pieces, offsets, at = [], [], 0
+    for f in [*frames, None]:
+        gap = rng.integers(1, 256, int(rng.integers(1, 40)), dtype=np.uint8)
+        pieces.append(gap)
+        at += gap.size
+        if f is not None:
+            pieces.append(f)
+            offsets.append(at)
+            at += f.size
+    arena = np.concatenate(pieces)
+    sizes = np.array([f.size for f in frames], dtype=np.int64)
+    offsets_ = np.array(offsets, dtype=np.int64)
+    junk = np.ones(arena.size, dtype=bool)
+    for o, n in zip(offsets_.tolist(), sizes.tolist(), strict=True):
+        junk[o : o + n] = False
+    return arena, offsets_, sizes, junk
+
+
+def _views(host: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
+    return [host[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)]
+
+
+def _assert_same_streams(got: BloscStreams, want: BloscStreams) -> None:
+    for name in BloscStreams.__dataclass_fields__:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert a == b, name
+
+
+def _sparse_check(frames: list[np.ndarray], nbytes: int, seed: int = 0) -> BloscStreams:
+    """parse_frames reads the same from the sparse copy as from the whole arena, and the
+    sparse copy fetched exactly the headers, block-start tables and size prefixes."""
+    arena, offsets, sizes, junk = _lay_out(frames, seed)
+    keys = [f"s/{i}" for i in range(len(frames))]
+    xp = _CountingXp()
+    sparse = sparse_tables(arena, offsets, sizes, nbytes, xp=xp)
+    assert sparse.shape == arena.shape and sparse.dtype == np.uint8
+    assert np.all((sparse == 0) | (sparse == arena))  # real bytes or zeros
+    assert not sparse[junk].any()  # nothing outside the frames
+    want = parse_frames(_views(arena, offsets, sizes), keys, nbytes)
+    got = parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
+    _assert_same_streams(got, want)
+    # the bytes fetched: 16 per header, 4 per block start and 4 per stream size
+    expected = 16 * len(frames)
+    if nbytes:
+        compressed = ~want.memcpyed
+        nblocks = -(-nbytes // want.blocksize[compressed])
+        expected += 4 * int(nblocks.sum()) + 4 * int(compressed[want.chunk].sum())
+    assert xp.nbytes == expected
+    assert xp.copies <= 2 + 16
+    return want
+
+
+@pytest.mark.parametrize("blocksize", [0, 256, 4096])
+@pytest.mark.parametrize("typesize", [1, 2, 4, 8])
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+@pytest.mark.parametrize("cname", [*CNAMES, "blosclz"])
+def test_sparse_tables_match_whole_copy(cname: str, shuffle: int, typesize: int, blocksize: int):
+    """Compressible, incompressible and stored (clevel 0) frames, many blocks with a short
+    last one and leftover bytes, or a chunk smaller than a block."""
+    for nbytes in (300_003, 30_003, 1000, 100):
+        frames = []
+        for i, (kind, clevel) in enumerate([("smooth", 5), ("random", 5), ("smooth", 0)]):
+            codec = numcodecs.Blosc(cname, clevel, shuffle, blocksize=blocksize, typesize=typesize)
+            frames.append(_encode(codec, _data(kind, nbytes, seed=i)))
+        with _split_mode("ALWAYS"):  # split blocks for every compressor
+            frames.append(_encode(codec, _data("smooth", nbytes, seed=3)))
+        streams = _sparse_check(frames, nbytes, seed=nbytes)
+        assert streams.memcpyed[2]
+    codec = numcodecs.Blosc(cname, 5, shuffle, blocksize=blocksize, typesize=typesize)
+    _sparse_check([_encode(codec, _data("smooth", 30_000))] * 3, 30_000)  # one frame, 3 times
+
+
+def test_sparse_tables_mixed_batch():
+    """Frames of one batch with different layouts, blocks out of order, split or not."""
+    nbytes = 300_003
+    codecs = [
+        numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4),
+        numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, blocksize=1024, typesize=8),
+        numcodecs.Blosc("zlib", 1, numcodecs.Blosc.NOSHUFFLE),
+        numcodecs.Blosc("lz4hc", 0, numcodecs.Blosc.SHUFFLE, typesize=2),
+        numcodecs.Blosc("lz4", 9, numcodecs.Blosc.BITSHUFFLE, blocksize=256, typesize=1),
+        numcodecs.Blosc("blosclz", 5, numcodecs.Blosc.SHUFFLE, blocksize=3000, typesize=16),
+        numcodecs.Blosc("lz4", 5, numcodecs.Blosc.NOSHUFFLE, blocksize=4096, typesize=8),
+    ]
+    frames = [_encode(c, _data("smooth", nbytes, i)) for i, c in enumerate(codecs)]
+    frames.append(_encode(codecs[0], _data("random", nbytes)))
+    with _split_mode("NEVER"):
+        frames.append(_encode(codecs[0], _data("smooth", nbytes, 7)))
+    assert frames[-1][2] & 0x10
+    # the blocks of a frame in reverse order: the short last one, not split, comes first
+    frame = _encode(
+        numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=8192, typesize=4),
+        _data("smooth", nbytes, 9),
+    )
+    blocksize = int(frame[8:12].view("<i4")[0])
+    nblocks = -(-nbytes // blocksize)
+    assert not frame[2] & 0x12 and nbytes % blocksize and nblocks > 2  # split, short last
+    starts = frame[16 : 16 + 4 * nblocks].view("<i4").astype(int)
+    ends = [*starts[1:], frame.size]
+    pieces = [frame[s:e] for s, e in zip(starts, ends, strict=True)][::-1]
+    new_starts = 16 + 4 * nblocks + np.cumsum([0] + [len(p) for p in pieces[:-1]])
+    frames.append(
+        np.concatenate([frame[:16], np.asarray(new_starts[::-1], "<i4").view(np.uint8), *pieces])
+    )
+    for seed in range(3):
+        _sparse_check(frames, nbytes, seed)
+        _sparse_check(frames[::-1], nbytes, seed)
+
+
+def test_sparse_tables_empty():
+    codec = numcodecs.Blosc("zstd", 5, numcodecs.Blosc.SHUFFLE)
+    frames = [_encode(codec, np.zeros(0, np.float32))] * 2
+    assert _sparse_check(frames, 0).n_streams == 0
+    none = np.zeros(0, dtype=np.int64)
+    assert sparse_tables(np.ones(5, np.uint8), none, none, 10).tolist() == [0] * 5
+
+
+def _damaged(f: np.ndarray, nbytes: int) -> dict[str, np.ndarray]:
+    """Damaged copies of frame ``f`` (of ``nbytes`` decoded bytes), by name."""
+    start = int(f[16:20].view("<i4")[0])
+    blocksize = int(f[8:12].view("<i4")[0])
+    half = f.size // 2
+    out = {
+        "truncated": f[:-1],
+        "too short": f[:10],
+        "empty": f[:0],
+        "trailing": np.concatenate([f, np.full(3, 7, np.uint8)]),
+        "cut, cbytes fixed": _set_i32(f[:half], 12, half),
+        "cut in the table": _set_i32(f[:40], 12, 40),
+        "nbytes": _set_i32(f, 4, nbytes + 4),
+        "blocksize 0": _set_i32(f, 8, 0),
+        "blocksize too big": _set_i32(f, 8, nbytes + 1),
+        "table does not fit": _set_i32(f, 8, 4),
+        "split not a multiple": _set_i32(f, 8, blocksize - 2),
+        "block start past the end": _set_i32(f, 20, f.size),
+        "block start in the table": _set_i32(f, 16, 8),
+        "block start negative": _set_i32(f, 16, -1),
+        "last block start at the end": _set_i32(f, 16, f.size - 4),
+        "stream size past the end": _set_i32(f, start, f.size),
+        "stream size negative": _set_i32(f, start, -5),
+        "stream size zero": _set_i32(f, start, 0),
+        "next size past the end": _set_i32(f, start, f.size - start - 6),
+        "next size at the end": _set_i32(f, start, f.size - start - 8),
+        "payload": f.copy(),
+        "zeroed after the tables": f.copy(),
+    }
+    out["payload"][start + 4 : start + 20] = 0xFF
+    out["zeroed after the tables"][f.size // 2 :] = 0
+    for name, byte, value in [
+        ("version", 0, 3),
+        ("lz4 version", 1, 2),
+        ("reserved bit", 2, f[2] | 0x08),
+        ("compressor code", 2, (f[2] & 0x1F) | (6 << 5)),
+        ("memcpyed flag", 2, f[2] | 0x02),
+        ("don't split flag", 2, f[2] | 0x10),
+        ("typesize 0", 3, 0),
+        ("typesize 3", 3, 3),
+        ("typesize 200", 3, 200),
+    ]:
+        bad = f.copy()
+        bad[byte] = value
+        out[name] = bad
+    return out
+
+
+def test_sparse_tables_damaged(frame: tuple[np.ndarray, int]):
+    """A damaged frame among good ones: the same error, naming the same chunk, from the
+    sparse copy as from the whole arena (or the same streams, where the damage only shows
+    when decoding)."""
+    f, nbytes = frame
+    for name, bad in _damaged(f, nbytes).items():
+        for frames in ([f, bad, f], [bad], [bad, bad[::-1].copy()]):
+            arena, offsets, sizes, junk = _lay_out(frames)
+            keys = [f"d/{i}" for i in range(len(frames))]
+            sparse = sparse_tables(arena, offsets, sizes, nbytes)
+            assert not sparse[junk].any()
+            try:
+                want = parse_frames(_views(arena, offsets, sizes), keys, nbytes)
+            except ChunkDecodeError as err:
+                with pytest.raises(ChunkDecodeError) as info:
+                    parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
+                assert (info.value.key, str(info.value)) == (err.key, str(err)), name
+            else:
+                got = parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
+                _assert_same_streams(got, want)
 
 
 # -- the device decoder (nvCOMP streams, CuPy unshuffle) against numcodecs -----------

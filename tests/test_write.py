@@ -15,8 +15,22 @@ import xarray_gds
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
-    pytest.mark.filterwarnings("ignore:xarray-gds. to_zarr encodes on the host:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:xarray-gds. array .* encoded there:RuntimeWarning"),
 ]
+
+
+@pytest.fixture(autouse=True, params=["zarr", "batched"])
+def host_writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Host values written by zarr-python (the default) or by the batched encoder that
+    device values take (``XARRAY_GDS_BATCHED_HOST_WRITES=1``), so CI runs its logic:
+    merging partial chunks, empty chunks, byte layout, stream framing."""
+    device = request.node.callspec.params.get("device", "cpu")
+    if request.param == "batched":
+        if device == "cuda":
+            pytest.skip("device values always take the batched encoder")
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    return str(request.param)
+
 
 ROUND_TRIPS = [
     (3, "zstd"),

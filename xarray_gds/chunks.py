@@ -29,8 +29,11 @@ __all__ = ["DeviceBlocks", "GdsDaskManager", "device_of"]
 
 
 def device_of(data: Any) -> str | None:
-    """The device of the xarray-gds array under xarray's lazy wrappers, if any."""
+    """The device of the xarray-gds array under xarray's lazy wrappers, if any
+    (``"cuda"`` also for a CuPy array that xarray's cache already holds)."""
     for _ in range(16):
+        if _device.is_device_array(data):
+            return "cuda"
         where = getattr(data, "device", None)
         if where in ("cuda", "cpu") and hasattr(data, "get_array"):
             return str(where)

@@ -30,10 +30,12 @@ from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
 from zarr.core.codec_pipeline import BatchedCodecPipeline
+from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
+from xarray_gds.codecs.encode import EncodeChain, encode_host, plan_encode
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, GdsStore, read_ranges_device, read_ranges_host
 
@@ -41,7 +43,10 @@ __all__ = ["GdsCodecPipeline", "batch_bytes", "use_gds_pipeline"]
 
 _PATH = "xarray_gds.pipeline.GdsCodecPipeline"
 _ZARR_DEFAULT = "zarr.core.codec_pipeline.BatchedCodecPipeline"
-_warned: set[str] = set()
+_warned: set[Any] = set()
+
+#: zarr config key of the ``levels`` policy of device writes (see ``to_zarr``)
+_LEVELS_KEY = "xarray_gds.levels"
 
 
 def batch_bytes(on_device: bool = True) -> int:
@@ -59,14 +64,16 @@ _config_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def use_gds_pipeline() -> Iterator[None]:
-    """Arrays opened inside this context read through :class:`GdsCodecPipeline`.
+def use_gds_pipeline(levels: str = "host") -> Iterator[None]:
+    """Arrays opened inside this context read and write through :class:`GdsCodecPipeline`.
 
-    zarr's configuration is process-wide: two threads that set and restore it in
-    interleaved order would leave it set for good (``open_mfdataset(parallel=True)``
-    opens stores from several threads), so the setting is held under a lock.
+    ``levels`` is the compression-level policy of their batched writes (see
+    :func:`xarray_gds.codecs.encode.plan_encode`). zarr's configuration is
+    process-wide: two threads that set and restore it in interleaved order would leave
+    it set for good (``open_mfdataset(parallel=True)`` opens stores from several
+    threads), so the setting is held under a lock.
     """
-    with _config_lock, zarr.config.set({"codec_pipeline.path": _PATH}):
+    with _config_lock, zarr.config.set({"codec_pipeline.path": _PATH, _LEVELS_KEY: levels}):
         yield
 
 
@@ -86,6 +93,8 @@ class GdsCodecPipeline(CodecPipeline):
         The batched decode plan (``None`` for inner pipelines built from codecs).
     chunk_key_parts : int
         Number of path segments in a chunk key (to name arrays in messages).
+    metadata : ArrayV2Metadata or ArrayV3Metadata, optional
+        The array's metadata, to plan batched encoding of device values.
     """
 
     def __init__(
@@ -93,10 +102,14 @@ class GdsCodecPipeline(CodecPipeline):
         fallback: CodecPipeline,
         chain: DecodeChain | ShardChain | Unsupported | None = None,
         chunk_key_parts: int = 1,
+        metadata: Any = None,
     ) -> None:
         self._fallback = fallback
         self._chain = chain
         self._chunk_key_parts = chunk_key_parts
+        self._metadata = metadata
+        self._levels = str(zarr.config.get(_LEVELS_KEY, "host"))
+        self._encode: EncodeChain | str | None = None
 
     def __repr__(self) -> str:
         return f"GdsCodecPipeline(chain={self._chain!r})"
@@ -117,11 +130,11 @@ class GdsCodecPipeline(CodecPipeline):
             fallback = create_codec_pipeline(array_metadata)
         ndim = len(array_metadata.shape)
         parts = len(array_metadata.encode_chunk_key((0,) * ndim).split("/")) if ndim else 1
-        return cls(fallback, plan_chain(array_metadata), parts)
+        return cls(fallback, plan_chain(array_metadata), parts, array_metadata)
 
     def evolve_from_array_spec(self, array_spec: Any) -> Self:
         evolved = self._fallback.evolve_from_array_spec(array_spec)
-        return type(self)(evolved, self._chain, self._chunk_key_parts)
+        return type(self)(evolved, self._chain, self._chunk_key_parts, self._metadata)
 
     # -- delegated ----------------------------------------------------------------
     @property
@@ -145,7 +158,32 @@ class GdsCodecPipeline(CodecPipeline):
         return await self._fallback.encode(chunk_arrays_and_specs)
 
     async def write(self, batch_info: Iterable[Any], value: Any, drop_axes: Any = ()) -> None:
-        await self._fallback.write(batch_info, value, drop_axes)
+        """zarr's write for host values; device values are merged, checked for emptiness
+        and encoded on the GPU in batches (one nvCOMP call per batch), or copied to the
+        host for zarr's codecs when the array's codecs have no batched encoder."""
+        array = value.as_ndarray_like()
+        batch = list(batch_info)
+        if not batch:
+            return
+        on_device = _device.is_device_array(array)
+        plan = self.encode_plan
+        if isinstance(plan, EncodeChain) and (on_device or _host_batched_writes()):
+            await _write_batched(self, plan, batch, array, drop_axes, on_device)
+            return
+        if on_device:
+            self._warn_host_encode(batch[0][0].path, str(plan))
+            value = cpu.NDBuffer.from_numpy_array(array.get())
+        await self._fallback.write(batch, value, drop_axes)
+
+    @property
+    def encode_plan(self) -> EncodeChain | str:
+        """The batched encode plan of this array, or why it encodes on the host."""
+        if self._encode is None:
+            if self._metadata is None:
+                self._encode = "no array metadata (an inner pipeline)"
+            else:
+                self._encode = plan_encode(self._metadata, self._levels)
+        return self._encode
 
     # -- the batched read ---------------------------------------------------------
     async def read(
@@ -206,6 +244,19 @@ class GdsCodecPipeline(CodecPipeline):
         results = await self._fallback.read(host_batch, host_out, drop_axes)
         target[...] = _device.cupy().asarray(host_out.as_numpy_array())
         return results
+
+    def _warn_host_encode(self, key: str, why: str) -> None:
+        name = _array_name(key, self._chunk_key_parts)
+        if ("encode", name) in _warned:
+            return
+        _warned.add(("encode", name))
+        codecs = ", ".join(getattr(self._chain, "codecs", ()) or ())
+        warnings.warn(
+            f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are "
+            "copied to the host and encoded there by zarr-python",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _warn_host_decode(self, key: str, chain: Any) -> None:
         name = _array_name(key, self._chunk_key_parts)
@@ -603,3 +654,116 @@ def _decode_and_scatter(
             target[out_sel] = fill_value_or_default(spec)
             results.append(GetResult(status="missing"))
     return tuple(results)
+
+
+def _host_batched_writes() -> bool:
+    """Whether host values take the batched encoder too (``XARRAY_GDS_BATCHED_HOST_WRITES``
+    set to 1). By default zarr-python writes host values; the batched host encoder
+    makes the streams the GPU makes, and CI runs the device write logic through it."""
+    return os.environ.get("XARRAY_GDS_BATCHED_HOST_WRITES", "") == "1"
+
+
+def _covers(entry: Any, chunk_shape: tuple[int, ...]) -> bool:
+    """Whether the value written to this chunk fills all of it."""
+    _, _, chunk_sel, _, complete = entry
+    if not complete:
+        return False
+    for sel, size in zip(chunk_sel, chunk_shape, strict=False):
+        if not isinstance(sel, slice) or len(range(*sel.indices(size))) != size:
+            return False
+    return len(chunk_sel) == len(chunk_shape)
+
+
+def _assemble(
+    stage: Any,
+    part: list[Any],
+    array: Any,
+    drop_axes: tuple[int, ...],
+    write_empty: bool,
+    xp: Any,
+) -> np.ndarray:
+    """Write the value into the staged chunks; return which chunks to store (not empty)."""
+    ndim = stage.ndim - 1
+    expand = tuple(None if i in drop_axes else slice(None) for i in range(ndim))
+    for j, (_, _, chunk_sel, out_sel, _) in enumerate(part):
+        value = array[out_sel] if array.ndim else array
+        if drop_axes:
+            value = value[expand]
+        stage[(j, *chunk_sel)] = value
+    n = len(part)
+    if write_empty or not n:
+        return np.ones(n, dtype=bool)
+    fill = fill_value_or_default(part[0][1])
+    flat = stage.reshape(n, -1)
+    same = flat == fill
+    if np.asarray(fill != fill).any():  # NaN fill: NaN chunks are empty too
+        same |= flat != flat
+    empty = same.all(axis=1)
+    return ~np.asarray(empty.get() if hasattr(empty, "get") else empty, dtype=bool)
+
+
+async def _write_batched(
+    pipe: GdsCodecPipeline,
+    plan: EncodeChain,
+    batch: list[Any],
+    array: Any,
+    drop_axes: tuple[int, ...],
+    on_device: bool,
+) -> None:
+    """Merge, check and encode the chunks of a write in batches, then store them.
+
+    Chunks the value fills are encoded from it alone; the others start from their
+    stored values (decoded by the batched read) or the fill value. Each chunk file is
+    written whole (the store's atomic set) or deleted when it holds only the fill
+    value and ``write_empty_chunks`` is off.
+    """
+    xp = _device.array_module("cuda" if on_device else "cpu")
+    proto = _device.buffer_prototype("cuda" if on_device else "cpu")
+    dtype = plan.dtype.newbyteorder("=")
+    # the staged chunks, their stored layout and the compressed output live together
+    per_part = max(1, _budget(on_device) // max(1, 5 * plan.nbytes))
+    for part in _split(batch, per_part):
+        stage = xp.empty((len(part), *plan.chunk_shape), dtype=dtype)
+        for j, entry in enumerate(part):
+            if _covers(entry, plan.chunk_shape):
+                continue
+            byte_setter, spec, _, _, complete = entry
+            if complete:  # an edge chunk: the value covers all of it inside the array
+                stage[j] = fill_value_or_default(spec)
+                continue
+            whole = tuple(slice(0, s) for s in plan.chunk_shape)
+            view = proto.nd_buffer.from_ndarray_like(stage[j : j + 1].reshape(plan.chunk_shape))
+            await pipe.read([(byte_setter, spec, whole, whole, True)], view)
+        write_empty = bool(part[0][1].config.write_empty_chunks)
+
+        def encode(
+            part: list[Any] = part, stage: Any = stage, write_empty: bool = write_empty
+        ) -> Any:
+            keep = _assemble(stage, part, array, drop_axes, write_empty, xp)
+            kept = np.flatnonzero(keep)
+            if not kept.size:
+                return keep, None
+            chunks = stage if kept.size == len(part) else stage[xp.asarray(kept)]
+            if on_device:
+                from xarray_gds.codecs import nvcomp
+
+                return keep, nvcomp.encode(plan, chunks)
+            return keep, encode_host(plan, chunks)
+
+        keep, encoded = await asyncio.to_thread(encode)
+        jobs: list[tuple[Any, Any]] = []
+        k = 0
+        for j, (byte_setter, *_) in enumerate(part):
+            if keep[j]:
+                jobs.append((byte_setter, cpu.Buffer.from_array_like(encoded.chunk(k))))
+                k += 1
+            else:
+                jobs.append((byte_setter, None))
+        await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
+
+
+async def _store_one(byte_setter: Any, buffer: Any) -> None:
+    if buffer is None:
+        await byte_setter.delete()
+    else:
+        await byte_setter.set(buffer)

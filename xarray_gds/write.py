@@ -5,83 +5,78 @@ variables are CuPy arrays, dask arrays of CuPy blocks, or lazily loaded variable
 ``engine="gds-zarr"``, none of which xarray's own ``to_zarr`` can write (zarr-python
 encodes with numpy and CuPy refuses implicit conversion).
 
-For now every chunk is copied to the host and encoded there by zarr-python's own
-codecs, so the stores it writes are exactly those ``engine="zarr"`` writes. Encoding
-on the GPU with nvCOMP is the next step (see the user guide). Dask arrays stay lazy:
-each block moves to the host inside its own task, so a dataset larger than host
-memory writes block by block, and ``compute=False`` works as with xarray.
-
-Each chunk file is written whole or not at all: :class:`~xarray_gds.store.GdsStore`
-inherits zarr's ``LocalStore`` writes (a temporary file renamed over the chunk).
+xarray still does everything it does for any Zarr write (metadata, CF encoding,
+modes, regions, appends, consolidated metadata, ``compute=False``); the arrays it
+opens write through :class:`~xarray_gds.pipeline.GdsCodecPipeline`, which encodes
+device values on the GPU in batches (nvCOMP) and writes each chunk file whole. Device
+variables reach it as dask arrays of CuPy blocks (a CuPy array becomes one block), so
+that xarray's CF encoding runs on them lazily. Host variables are written by
+zarr-python as with ``engine="zarr"``.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xarray as xr
 
 from xarray_gds import device as _device
-from xarray_gds.chunks import device_of
+from xarray_gds.chunks import GdsDaskManager, device_of
+from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
 
-__all__ = ["to_host", "to_zarr"]
+__all__ = ["for_device_write", "to_zarr"]
 
-_warned = False
-
-
-def _block_to_host(block: Any) -> Any:
-    return block.get() if _device.is_device_array(block) else np.asarray(block)
+_LEVELS = ("host", "gpu")
 
 
-def _variable_to_host(var: xr.Variable) -> tuple[xr.Variable, bool]:
-    """``var`` with its values on the host, and whether they were on the device."""
+def _one_block(var: xr.Variable) -> xr.Variable:
+    """A device variable as a dask array: CuPy values as one block, lazily loaded
+    engine variables as one block read on the device when computed."""
+    chunks = {d: -1 for d in var.dims}
     data: Any = var._data
-    if hasattr(data, "dask") and hasattr(data, "map_blocks"):
-        # blocks may be CuPy under a numpy meta too: convert each one in its own task
-        host = data.map_blocks(
-            _block_to_host, dtype=var.dtype, meta=np.empty((0,) * var.ndim, dtype=var.dtype)
-        )
-        return var.copy(data=host, deep=False), _device.is_device_array(data._meta)
-    if device_of(data) == "cuda":
-        data = data.get_duck_array()  # lazily loaded by the engine: read it now, once
     if _device.is_device_array(data):
-        return var.copy(data=data.get(), deep=False), True
-    return var, False  # numpy, or lazily loaded on the host: xarray writes it as it is
+        import dask.array as da
+
+        return var.copy(data=da.from_array(data, chunks=data.shape, asarray=False), deep=False)
+    return var.chunk(chunks, chunked_array_type=GdsDaskManager())
 
 
-def to_host(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
-    """``ds`` with every variable's values in host memory (dask arrays stay lazy).
-
-    Lazily loaded variables are read (on their device) and copied; index coordinates
-    are on the host already.
+def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
+    """``ds`` with every device variable as a dask array of CuPy blocks.
 
     Returns
     -------
-    (dataset, moved)
-        The host dataset (attributes and encodings kept) and whether any values were
-        on the device.
+    (dataset, on_device)
+        The dataset (attributes and encodings kept) and whether any variable holds
+        device values.
     """
-    moved = False
-    data_vars: dict[Any, xr.Variable] = {}
-    coords: dict[Any, xr.Variable] = {}
+    on_device = False
+    variables: dict[Any, xr.Variable] = {}
     for name, var in ds.variables.items():
-        if name in ds.indexes:
-            coords[name] = var
-            continue
-        host, on_device = _variable_to_host(var)
-        moved |= on_device
-        (coords if name in ds.coords else data_vars)[name] = host
-    out = xr.Dataset(data_vars, coords=coords, attrs=ds.attrs)
-    out.encoding = dict(ds.encoding)
-    return out, moved
+        data: Any = var._data
+        if name in ds.indexes or var.ndim == 0:
+            variables[name] = var
+        elif hasattr(data, "dask") and hasattr(data, "map_blocks"):
+            on_device |= _device.is_device_array(data._meta)
+            variables[name] = var
+        elif device_of(data) == "cuda":
+            on_device = True
+            variables[name] = _one_block(var)
+        else:
+            variables[name] = var
+    out = ds.copy(deep=False)
+    for name, var in variables.items():
+        if var is not ds.variables[name]:
+            out[name] = out[name].copy(data=var.data, deep=False)
+    return out, on_device
 
 
-def to_zarr(ds: xr.Dataset, store: str | os.PathLike[str] | Any, **kwargs: Any) -> Any:
+def to_zarr(
+    ds: xr.Dataset, store: str | os.PathLike[str] | Any, *, levels: str = "host", **kwargs: Any
+) -> Any:
     """Write ``ds`` to a Zarr store, whichever device its variables are on.
 
     Parameters
@@ -92,26 +87,34 @@ def to_zarr(ds: xr.Dataset, store: str | os.PathLike[str] | Any, **kwargs: Any) 
     store : str, path or zarr Store
         A local directory is written through :class:`~xarray_gds.store.GdsStore`;
         URLs (``"s3://..."``) and Store objects go to ``Dataset.to_zarr`` unchanged.
+    levels : {"host", "gpu"}
+        nvCOMP's encoders have no compression levels. ``"host"`` (default): arrays
+        whose codec sets a level (LZ4: acceleration) other than the codec's default
+        are encoded on the host by zarr-python, so the level is applied. ``"gpu"``:
+        they are encoded by nvCOMP too, at its own level (the metadata keeps theirs).
     **kwargs
         Everything ``xarray.Dataset.to_zarr`` takes (``mode``, ``append_dim``,
         ``region``, ``encoding``, ``consolidated``, ``zarr_format``, ``compute``,
-        ``write_empty_chunks``, ...), with the same meaning.
+        ``write_empty_chunks``, ...), with the same meaning. With ``compute=False``,
+        CuPy variables are written when the returned object is computed, as dask
+        variables are.
 
     Returns
     -------
     Whatever ``Dataset.to_zarr`` returns (a ``dask.delayed.Delayed`` with
     ``compute=False``).
+
+    Notes
+    -----
+    Device values of arrays whose codecs have no GPU encoder (Blosc, filters,
+    crc32c, sharding, zstd with ``checksum=True``, a non-default level with
+    ``levels="host"``) are copied to the host and encoded by zarr-python, with one
+    ``RuntimeWarning`` per array that names the codecs and the reason.
     """
-    global _warned
+    if levels not in _LEVELS:
+        raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
     if isinstance(store, os.PathLike) or (isinstance(store, str) and "://" not in store):
         store = GdsStore(Path(store), read_only=False)  # URLs go to xarray as they are
-    host, moved = to_host(ds)
-    if moved and not _warned:
-        _warned = True
-        warnings.warn(
-            "xarray-gds: to_zarr encodes on the host for now: values are copied from the "
-            "GPU and encoded by zarr-python's codecs",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return host.to_zarr(store, **kwargs)
+    prepared, _ = for_device_write(ds)
+    with use_gds_pipeline(levels):
+        return prepared.to_zarr(store, **kwargs)

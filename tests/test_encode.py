@@ -1,0 +1,209 @@
+"""The batched encoder: plans, stream framing and checksums (host variant, as in CI),
+and on the GPU the same streams made by nvCOMP."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+import zarr.codecs as zc
+
+from xarray_gds.codecs import encode as enc
+
+
+def _metadata(zarr_format: int, chunks: tuple[int, ...] = (8, 16), **kwargs: Any) -> Any:
+    arr = zarr.create_array(
+        store={}, shape=(20, 40), chunks=chunks, dtype="f4", zarr_format=zarr_format, **kwargs
+    )
+    return arr.metadata
+
+
+@pytest.mark.parametrize("size", [1, 5, 4096, 65537, (1 << 20) + 7, 3 << 20])
+def test_adler32_matches_zlib(size: int) -> None:
+    rng = np.random.default_rng(size)
+    rows = rng.integers(0, 256, size=(3, size), dtype=np.uint8)
+    rows[1] = 255  # the largest weighted sums
+    got = enc.adler32(rows, np)
+    assert got.tolist() == [zlib.adler32(r.tobytes()) for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "kwargs", "reason"),
+    [
+        (3, {"compressors": zc.ZstdCodec(checksum=True)}, "checksum=True"),
+        (3, {"compressors": zc.ZstdCodec(level=7)}, "level=7"),
+        (3, {"compressors": zc.GzipCodec(level=1)}, "level=1"),
+        (3, {"compressors": zc.BloscCodec()}, "blosc"),
+        (3, {"compressors": (zc.ZstdCodec(), zc.Crc32cCodec())}, "crc32c"),
+        (3, {"shards": (16, 32)}, "sharded"),
+        (2, {"compressors": numcodecs.Zstd(level=5)}, "level=5"),
+        (2, {"compressors": numcodecs.LZ4(acceleration=3)}, "acceleration=3"),
+        (2, {"compressors": numcodecs.Blosc()}, "blosc"),
+        (2, {"filters": [numcodecs.Shuffle(4)], "compressors": numcodecs.Zstd()}, "filters"),
+    ],
+)
+def test_plans_name_why_an_array_encodes_on_the_host(
+    zarr_format: int, kwargs: dict[str, Any], reason: str
+) -> None:
+    plan = enc.plan_encode(_metadata(zarr_format, **kwargs))
+    assert isinstance(plan, str)
+    assert reason in plan
+
+
+def test_plan_levels_gpu_accepts_any_level_but_not_checksums() -> None:
+    plan = enc.plan_encode(_metadata(3, compressors=zc.ZstdCodec(level=7)), levels="gpu")
+    assert isinstance(plan, enc.EncodeChain) and plan.compressor == "zstd"
+    plan = enc.plan_encode(_metadata(3, compressors=zc.ZstdCodec(checksum=True)), levels="gpu")
+    assert isinstance(plan, str)
+
+
+def test_plan_lz4_chunks_over_16_mib_encode_on_the_host() -> None:
+    arr = zarr.create_array(
+        store={},
+        shape=(4096, 2048),
+        chunks=(4096, 2048),
+        dtype="f4",
+        zarr_format=2,
+        compressors=numcodecs.LZ4(),
+    )
+    plan = enc.plan_encode(arr.metadata)
+    assert isinstance(plan, str) and "16 MiB" in plan
+
+
+CODECS = [
+    (3, {"compressors": zc.ZstdCodec()}),
+    (3, {"compressors": zc.GzipCodec()}),
+    (3, {"compressors": None}),
+    (3, {"compressors": zc.ZstdCodec(), "serializer": zc.BytesCodec(endian="big")}),
+    (3, {"compressors": zc.GzipCodec(), "filters": [zc.TransposeCodec(order=(1, 0))]}),
+    (2, {"compressors": numcodecs.Zstd()}),
+    (2, {"compressors": numcodecs.LZ4()}),
+    (2, {"compressors": numcodecs.Zlib()}),
+    (2, {"compressors": numcodecs.GZip()}),
+    (2, {"compressors": numcodecs.Zlib(), "order": "F"}),
+]
+
+
+def _encoder(device: str) -> Any:
+    if device == "cuda":
+        from xarray_gds.codecs import nvcomp
+
+        return nvcomp.encode
+    return enc.encode_host
+
+
+@pytest.mark.parametrize(("zarr_format", "kwargs"), CODECS)
+def test_encoded_chunks_decode_with_zarr(
+    zarr_format: int, kwargs: dict[str, Any], device: str
+) -> None:
+    """Chunks made by the batched encoder are what zarr-python reads as the same values."""
+    extra = dict(kwargs)
+    order = extra.pop("order", "C")
+    with zarr.config.set({"array.order": order}):
+        arr = zarr.create_array(
+            store=zarr.storage.MemoryStore(),
+            shape=(24, 16),
+            chunks=(8, 16),
+            dtype="f4",
+            zarr_format=zarr_format,
+            fill_value=0,
+            **extra,
+        )
+    assert getattr(arr.metadata, "order", "C") == order
+    plan = enc.plan_encode(arr.metadata)
+    assert isinstance(plan, enc.EncodeChain), plan
+    values = np.cumsum(np.random.default_rng(0).normal(size=(24, 16)), axis=0).astype("f4")
+    chunks: Any = values.reshape(3, 8, 16)
+    if device == "cuda":
+        import cupy as cp
+
+        chunks = cp.asarray(chunks)
+    encoded = _encoder(device)(plan, chunks)
+    for i in range(3):
+        key = arr.metadata.encode_chunk_key((i, 0))
+        buf = zarr.core.buffer.cpu.Buffer.from_bytes(bytes(encoded.chunk(i)))
+        zarr.core.sync.sync(arr.store.set(key, buf))
+    np.testing.assert_array_equal(arr[...], values)
+
+
+def _dataset(device: str) -> Any:
+    import xarray as xr
+
+    values = np.cumsum(np.random.default_rng(1).normal(size=(32, 48)), axis=0).astype("f4")
+    values[8:16, 16:32] = np.nan  # one chunk holds only the fill value
+    data: Any = values
+    if device == "cuda":
+        import cupy as cp
+
+        data = cp.asarray(values)
+    return xr.Dataset({"a": (("x", "y"), data)}), values
+
+
+def test_to_zarr_encodes_in_batches_and_drops_empty_chunks(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xarray as xr
+
+    import xarray_gds
+    from xarray_gds import pipeline
+
+    calls: list[int] = []
+    if device == "cuda":
+        from xarray_gds.codecs import nvcomp
+
+        module, name = nvcomp, "encode"
+    else:
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+        module, name = pipeline, "encode_host"
+    original = getattr(module, name)
+
+    def counted(plan: Any, chunks: Any) -> Any:
+        calls.append(int(chunks.shape[0]))
+        return original(plan, chunks)
+
+    monkeypatch.setattr(module, name, counted)
+    ds, values = _dataset(device)
+    out = tmp_path / "out.zarr"
+    encoding = {"a": {"chunks": (8, 16), "compressors": zc.ZstdCodec()}}
+    xarray_gds.to_zarr(ds, out, encoding=encoding, write_empty_chunks=False)
+    assert calls == [11]  # 12 chunks, one of them empty, in one batch
+    assert not (out / "a" / "c" / "1" / "1").exists()
+    got = xr.open_dataset(out, engine="zarr")
+    np.testing.assert_array_equal(got.a.values, values)
+    # a partial region write merges with the stored chunks
+    part = ds.isel(x=slice(4, 12), y=slice(10, 30)) * 2
+    xarray_gds.to_zarr(part, out, region={"x": slice(4, 12), "y": slice(10, 30)})
+    want = values.copy()
+    want[4:12, 10:30] *= 2
+    np.testing.assert_array_equal(xr.open_dataset(out, engine="zarr").a.values, want)
+
+
+@pytest.mark.gpu
+def test_device_values_of_codecs_without_gpu_encoder_warn(tmp_path: Path) -> None:
+    pytest.importorskip("cupy")
+    import xarray as xr
+
+    import xarray_gds
+
+    ds, values = _dataset("cuda")
+    out = tmp_path / "blosc.zarr"
+    with pytest.warns(RuntimeWarning, match=r"'a' uses codecs .*blosc.* encoded there"):
+        xarray_gds.to_zarr(ds, out, encoding={"a": {"compressors": zc.BloscCodec()}})
+    np.testing.assert_array_equal(xr.open_dataset(out, engine="zarr").a.values, values)
+
+
+@pytest.mark.gpu
+def test_device_adler32_matches_zlib() -> None:
+    cp = pytest.importorskip("cupy")
+    from xarray_gds.codecs import nvcomp
+
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 256, size=(5, (1 << 20) + 13), dtype=np.uint8)
+    rows[2] = 255
+    got = nvcomp.adler32(cp.asarray(rows))
+    assert got.tolist() == [zlib.adler32(r.tobytes()) for r in rows]

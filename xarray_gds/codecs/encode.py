@@ -1,0 +1,259 @@
+"""Batched chunk encoding: chunk arrays to stored chunk bytes, many chunks per call.
+
+:func:`plan_encode` reads an array's metadata and returns an :class:`EncodeChain`
+when the batched encoder writes exactly what the array's codecs describe, or the
+reason it does not (those arrays are encoded by zarr-python on the host). A chain
+encodes a stack of chunks ``(n, *chunk_shape)`` at once: the stored byte layout
+(axis order, byte order) is made with array operations, every chunk is compressed
+to a raw stream (one nvCOMP batch call on the GPU; numcodecs or the standard library
+on the host, which CI uses to test the same framing), and the framing each codec
+expects is added around the raw streams (numcodecs' LZ4 size prefix, zlib's header
+and Adler-32 trailer; nvCOMP's zstd frames and gzip members are complete already).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numcodecs
+import numpy as np
+import zarr.codecs as zc
+
+from xarray_gds.codecs import DecodeChain, plan_chain
+
+__all__ = ["EncodeChain", "Encoded", "adler32", "encode_host", "layout", "plan_encode"]
+
+#: Stream formats the batched encoder writes.
+FORMATS = ("zstd", "gzip", "zlib", "lz4")
+
+#: nvCOMP's LZ4 encoder takes chunks of at most 16 MiB.
+_LZ4_MAX = 1 << 24
+
+#: zlib header bytes written before the raw deflate stream (RFC 1950: deflate,
+#: 32 KiB window, default compression; 0x789C is a multiple of 31 as required).
+_ZLIB_HEADER = b"\x78\x9c"
+_ADLER_MOD = 65521
+
+
+@dataclass(frozen=True)
+class EncodeChain:
+    """How to encode every chunk of one array in batches.
+
+    Attributes
+    ----------
+    chunk_shape : tuple of int
+        Shape of a (full) chunk.
+    dtype : numpy.dtype
+        Stored dtype (its byte order may be non-native).
+    stored_order : tuple of int
+        Axis permutation of the stored layout (v3 ``transpose``, v2 ``order="F"``).
+    compressor : str or None
+        Stream format (one of :data:`FORMATS`) or ``None`` for uncompressed chunks.
+    codecs : tuple of str
+        Codec names, for messages.
+    """
+
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+    stored_order: tuple[int, ...]
+    compressor: str | None
+    codecs: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of one chunk's stored bytes before compression."""
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+
+def _compressor_codec(metadata: Any) -> Any:
+    """The codec object that compresses chunks (v2 compressor, v3 bytes-to-bytes codec)."""
+    if hasattr(metadata, "compressor"):
+        return metadata.compressor
+    codecs = [c for c in metadata.codecs if not isinstance(c, zc.BytesCodec | zc.TransposeCodec)]
+    return codecs[0] if codecs else None
+
+
+def _default_level(codec: Any) -> tuple[str, Any, Any] | None:
+    """``(name, level, default level)`` of the level-like setting of ``codec``."""
+    if isinstance(codec, zc.ZstdCodec | zc.GzipCodec | numcodecs.Zstd):
+        return "level", codec.level, type(codec)().level
+    if isinstance(codec, numcodecs.GZip | numcodecs.Zlib):
+        return "level", codec.level, type(codec)().level
+    if isinstance(codec, numcodecs.LZ4):
+        return "acceleration", codec.acceleration, type(codec)().acceleration
+    return None
+
+
+def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | str:
+    """Plan the batched encode of an array, or say why its chunks encode on the host.
+
+    Parameters
+    ----------
+    metadata : ArrayV2Metadata or ArrayV3Metadata
+        The array's metadata.
+    levels : {"host", "gpu"}
+        nvCOMP's encoders have no compression levels. With ``"host"`` a codec whose
+        level (LZ4: acceleration) differs from the codec's default is encoded on the
+        host, so the level is honoured; with ``"gpu"`` it is encoded by nvCOMP anyway
+        (the level is recorded in the metadata but not applied).
+
+    Returns
+    -------
+    EncodeChain, or str
+        The chain, or the reason (for a warning) when zarr-python must encode.
+    """
+    chain = plan_chain(metadata)
+    if not isinstance(chain, DecodeChain):
+        if hasattr(chain, "inner"):
+            return "sharded arrays are encoded on the host for now"
+        return str(chain.reason)
+    if chain.filters:
+        return "filters are encoded on the host"
+    if chain.crc32c:
+        return "crc32c has no GPU implementation"
+    name = chain.compressor.name if chain.compressor is not None else None
+    if name is not None and name not in FORMATS:
+        return f"{chain.compressor.detail or name} has no GPU encoder"  # type: ignore[union-attr]
+    codec = _compressor_codec(metadata)
+    if getattr(codec, "checksum", False):
+        return "zstd checksum=True: nvCOMP does not write content checksums"
+    setting = _default_level(codec)
+    if setting is not None and levels != "gpu":
+        what, value, default = setting
+        if value != default:
+            return (
+                f"{what}={value}: nvCOMP's encoders have no compression levels "
+                "(pass levels='gpu' to encode with nvCOMP's own level)"
+            )
+    if name == "lz4" and chain.nbytes > _LZ4_MAX:
+        return f"chunks of {chain.nbytes} bytes exceed nvCOMP's LZ4 limit of 16 MiB"
+    return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, name, chain.codecs)
+
+
+def layout(chain: EncodeChain, chunks: Any, xp: Any) -> Any:
+    """Chunk arrays ``(n, *chunk_shape)`` (native byte order) to their stored bytes
+    ``(n, nbytes)`` uint8: axes permuted to the stored order, bytes to the stored order."""
+    n = chunks.shape[0]
+    perm = (0, *(1 + i for i in chain.stored_order))
+    data = xp.ascontiguousarray(chunks.astype(chain.dtype.newbyteorder("="), copy=False))
+    data = xp.ascontiguousarray(data.transpose(perm)).view(xp.uint8).reshape(n, -1)
+    dtype = chain.dtype
+    if not dtype.isnative and dtype.itemsize > 1:
+        unit = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+        data = xp.ascontiguousarray(data.reshape(n, -1, unit)[:, :, ::-1]).reshape(n, -1)
+    return data
+
+
+def adler32(data: Any, xp: Any) -> np.ndarray:
+    """Adler-32 of every row of ``data`` ``(n, nbytes)`` uint8, computed with array sums.
+
+    ``A = 1 + sum(d_i)`` and ``B = nbytes + sum((nbytes - i) * d_i)``, both mod 65521
+    (``i`` from 0); the weighted sum is taken in pieces so that it stays exact in
+    64-bit integers.
+    """
+    n, size = data.shape
+    a = xp.zeros(n, dtype=xp.int64)
+    b = xp.zeros(n, dtype=xp.int64)
+    step = 1 << 20  # 255 * 2**31 * 2**20 < 2**63
+    for start in range(0, size, step):
+        piece = data[:, start : start + step].astype(xp.int64)
+        weights = size - xp.arange(start, start + piece.shape[1], dtype=xp.int64)
+        a = (a + piece.sum(axis=1)) % _ADLER_MOD
+        b = (b + (piece * (weights % _ADLER_MOD)[None, :]).sum(axis=1) % _ADLER_MOD) % _ADLER_MOD
+    a = (a + 1) % _ADLER_MOD
+    b = (b + size) % _ADLER_MOD
+    result = (b << 16) | a
+    return np.asarray(result.get() if hasattr(result, "get") else result, dtype=np.uint32)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Encoded chunks in one host buffer: chunk ``i`` is ``data[starts[i]:][:sizes[i]]``."""
+
+    data: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+
+    def chunk(self, i: int) -> np.ndarray:
+        """The stored bytes of chunk ``i`` (a view)."""
+        start = int(self.starts[i])
+        return self.data[start : start + int(self.sizes[i])]
+
+
+def frame_layout(name: str | None, raw_sizes: np.ndarray) -> tuple[int, int]:
+    """Bytes reserved before and after each raw stream for the framing of ``name``."""
+    return {"lz4": (4, 0), "zlib": (len(_ZLIB_HEADER), 4)}.get(name or "", (0, 0))
+
+
+def add_framing(
+    name: str | None,
+    out: np.ndarray,
+    starts: np.ndarray,
+    raw_sizes: np.ndarray,
+    nbytes: int,
+    checksums: np.ndarray | None,
+) -> np.ndarray:
+    """Write the framing of ``name`` around raw streams already placed in ``out``.
+
+    Stream ``i`` sits at ``starts[i] + head``; returns the framed size of each chunk."""
+    head, tail = frame_layout(name, raw_sizes)
+    if name == "lz4":
+        prefix = np.frombuffer(np.uint32(nbytes).astype("<u4").tobytes(), dtype=np.uint8)
+        out[starts[:, None] + np.arange(4)] = prefix
+    elif name == "zlib":
+        assert checksums is not None
+        out[starts[:, None] + np.arange(2)] = np.frombuffer(_ZLIB_HEADER, dtype=np.uint8)
+        trailer = checksums.astype(">u4").view(np.uint8).reshape(-1, 4)
+        out[(starts + head + raw_sizes)[:, None] + np.arange(4)] = trailer
+    return raw_sizes + head + tail
+
+
+def _raw_host(name: str, row: np.ndarray) -> bytes:
+    """One raw stream as nvCOMP writes it (``BitstreamKind.RAW``), made on the host."""
+    if name == "zstd":
+        return bytes(numcodecs.Zstd().encode(row))
+    if name == "gzip":
+        return bytes(numcodecs.GZip().encode(row))
+    if name == "lz4":
+        return bytes(numcodecs.LZ4().encode(row))[4:]  # without numcodecs' size prefix
+    if name == "zlib":
+        deflate = zlib.compressobj(wbits=-15)
+        return deflate.compress(row.tobytes()) + deflate.flush()
+    raise ValueError(f"no stream format {name!r}")
+
+
+def pack(
+    name: str | None, raw: list[bytes] | None, data: np.ndarray, checksums: np.ndarray | None
+) -> Encoded:
+    """Lay raw streams (or, uncompressed, the rows of ``data``) out with their framing."""
+    n, nbytes = data.shape
+    if name is None:
+        return Encoded(
+            data.reshape(-1),
+            np.arange(n, dtype=np.int64) * nbytes,
+            np.full(n, nbytes, dtype=np.int64),
+        )
+    assert raw is not None
+    raw_sizes = np.array([len(r) for r in raw], dtype=np.int64)
+    head, tail = frame_layout(name, raw_sizes)
+    framed = raw_sizes + head + tail
+    starts = np.concatenate([[0], np.cumsum(framed)[:-1]]).astype(np.int64)
+    out = np.empty(int(framed.sum()), dtype=np.uint8)
+    for i, r in enumerate(raw):
+        out[starts[i] + head : starts[i] + head + len(r)] = np.frombuffer(r, dtype=np.uint8)
+    sizes = add_framing(name, out, starts, raw_sizes, nbytes, checksums)
+    return Encoded(out, starts, sizes)
+
+
+def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
+    """Encode chunk arrays ``(n, *chunk_shape)`` on the host, as the device does."""
+    data = layout(chain, chunks, np)
+    name = chain.compressor
+    if name is None:
+        return pack(None, None, data, None)
+    raw = [_raw_host(name, row) for row in data]
+    checksums = adler32(data, np) if name == "zlib" else None
+    return pack(name, raw, data, checksums)
