@@ -194,6 +194,27 @@ def _mean_zarr(paths: list[Path]) -> Any:
     return t.mean("time").compute().data
 
 
+def _write_contenders(path: Path) -> dict[str, Callable[[], Any]]:
+    """Writing the case's data from GPU memory with zstd (zarr's default level):
+    ``xarray_gds.to_zarr`` (nvCOMP) vs ``ds.as_numpy().to_zarr()`` (zarr-python)."""
+    import xarray_gds
+
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cuda").load()
+    chunks = ds["t"].encoding["chunks"]
+    for var in ds.variables.values():
+        var.encoding = {}
+    encoding = {"t": {"chunks": chunks, "compressors": [zc.ZstdCodec()]}}
+    out = path.with_name(f"{path.stem}-written.zarr")
+
+    def ours() -> None:
+        xarray_gds.to_zarr(ds, out, mode="w", encoding=encoding, consolidated=False)
+
+    def theirs() -> None:
+        ds.as_numpy().to_zarr(out, mode="w", encoding=encoding, consolidated=False)
+
+    return {"gds-zarr": ours, "zarr": theirs}
+
+
 def _profile(fn: Callable[[], Any], path: Path) -> None:
     """One more run of ``fn`` under cProfile; the 40 costliest functions (own time, then
     cumulative time) go to ``path`` as text."""
@@ -271,7 +292,7 @@ def run(
                 results.append(_case(name, path, rep, contenders, warm_all, n_stores, profile_dir))
             if on_result is not None:
                 on_result(results[-1])
-            for p in _mf_paths(path, n_stores):
+            for p in [*_mf_paths(path, n_stores), path.with_name(f"{path.stem}-written.zarr")]:
                 shutil.rmtree(p, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -317,6 +338,12 @@ CASES: dict[str, dict[str, Any]] = {
             "gds-zarr": lambda: _mean_gds(ps),
             "zarr": lambda: _mean_zarr(ps),
         },
+    },
+    "write-zstd-4MB": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _write_contenders,
     },
     "small-chunks": {
         "gpu": True,

@@ -571,14 +571,15 @@ def encode(chain: Any, chunks: Any) -> Any:
         return enc.pack(None, None, cp.asnumpy(data), None)
     n, nbytes = data.shape
     checksums = adler32(data) if name == "zlib" else None
+    stride = -(-nbytes // _ALIGN) * _ALIGN  # nvCOMP wants aligned inputs
+    if stride != nbytes:
+        padded = cp.empty((n, stride), dtype=cp.uint8)
+        padded[:, :nbytes] = data
+        data = padded
     stream, _ = _state()
     stream.wait_event(cp.cuda.get_current_stream().record())
-    inputs = _batch(
-        data.reshape(-1),
-        np.arange(n, dtype=np.int64) * nbytes,
-        np.full(n, nbytes, dtype=np.int64),
-        stream,
-    )
+    offsets = np.arange(n, dtype=np.int64) * stride
+    inputs = _batch(data.reshape(-1), offsets, np.full(n, nbytes, dtype=np.int64), stream)
     row = _encode_bound(name, nbytes)
     for attempt in range(2):
         row = -(-row // _ALIGN) * _ALIGN
