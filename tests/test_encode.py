@@ -207,3 +207,45 @@ def test_device_adler32_matches_zlib() -> None:
     rows[2] = 255
     got = nvcomp.adler32(cp.asarray(rows))
     assert got.tolist() == [zlib.adler32(r.tobytes()) for r in rows]
+
+
+def test_failed_batched_write_leaves_whole_chunks(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched write that fails half way (at a chunk's rename): every chunk is old or new."""
+    import xarray as xr
+
+    import xarray_gds
+
+    if device == "cpu":
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    ds, values = _dataset(device)
+    out = tmp_path / "out.zarr"
+    encoding = {"a": {"chunks": (8, 16), "compressors": zc.GzipCodec()}}
+    xarray_gds.to_zarr(ds, out, encoding=encoding)
+    real_replace = Path.replace
+    replaced: list[str] = []
+
+    def flaky_replace(self: Path, target: Any) -> Any:
+        if Path(target).name != "zarr.json":
+            if len(replaced) == 4:
+                raise OSError("disk full (injected)")
+            replaced.append(str(target))
+        return real_replace(self, target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "replace", flaky_replace)
+        with pytest.raises(OSError, match="injected"):
+            xarray_gds.to_zarr(ds + 1000.0, out, mode="r+", region="auto")
+    got = xr.open_dataset(out, engine="zarr").a.values
+    n_new = 0
+    for x in range(0, 32, 8):
+        for y in range(0, 48, 16):
+            old = values[x : x + 8, y : y + 16]
+            part = got[x : x + 8, y : y + 16]
+            if np.array_equal(part, old, equal_nan=True):
+                continue
+            np.testing.assert_array_equal(part, old + 1000.0)  # never torn
+            n_new += 1
+    assert 4 <= n_new < 11
+    assert not list(out.rglob("*.partial"))

@@ -759,7 +759,22 @@ async def _write_batched(
                 k += 1
             else:
                 jobs.append((byte_setter, None))
-        await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
+        store = part[0][0].store
+        if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
+            keys = [bs.path for bs, _ in jobs]
+            await asyncio.to_thread(_store_all, store, keys, [b for _, b in jobs])
+        else:
+            await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
+
+
+def _store_all(store: GdsStore, keys: list[str], buffers: list[Any]) -> None:
+    def one(i: int) -> None:
+        if buffers[i] is None:
+            store.delete_sync(keys[i])
+        else:
+            store.set_sync(keys[i], buffers[i])
+
+    host.parallel(one, len(keys))
 
 
 async def _store_one(byte_setter: Any, buffer: Any) -> None:

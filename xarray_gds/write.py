@@ -40,30 +40,32 @@ def _one_block(var: xr.Variable) -> xr.Variable:
     if _device.is_device_array(data):
         import dask.array as da
 
-        return var.copy(data=da.from_array(data, chunks=data.shape, asarray=False), deep=False)
+        # name=False: a random name; dask would otherwise hash the values to make one
+        block = da.from_array(data, chunks=data.shape, asarray=False, name=False)
+        return var.copy(data=block, deep=False)
     return var.chunk(chunks, chunked_array_type=GdsDaskManager())
 
 
 def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
-    """``ds`` with every device variable as a dask array of CuPy blocks.
+    """``ds`` with every device variable that is not a dask array yet as a one-block
+    dask array of CuPy values.
 
     Returns
     -------
-    (dataset, on_device)
-        The dataset (attributes and encodings kept) and whether any variable holds
-        device values.
+    (dataset, user_dask)
+        The dataset (attributes and encodings kept) and whether ``ds`` has dask
+        variables of its own.
     """
-    on_device = False
+    user_dask = False
     variables: dict[Any, xr.Variable] = {}
     for name, var in ds.variables.items():
         data: Any = var._data
         if name in ds.indexes or var.ndim == 0:
             variables[name] = var
         elif hasattr(data, "dask") and hasattr(data, "map_blocks"):
-            on_device |= _device.is_device_array(data._meta)
+            user_dask = True
             variables[name] = var
         elif device_of(data) == "cuda":
-            on_device = True
             variables[name] = _one_block(var)
         else:
             variables[name] = var
@@ -71,7 +73,7 @@ def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
     for name, var in variables.items():
         if var is not ds.variables[name]:
             out[name] = out[name].copy(data=var.data, deep=False)
-    return out, on_device
+    return out, user_dask
 
 
 def to_zarr(
@@ -115,6 +117,11 @@ def to_zarr(
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
     if isinstance(store, os.PathLike) or (isinstance(store, str) and "://" not in store):
         store = GdsStore(Path(store), read_only=False)  # URLs go to xarray as they are
-    prepared, _ = for_device_write(ds)
+    prepared, user_dask = for_device_write(ds)
+    if not user_dask:
+        # every dask variable is one of the one-block ones made here: one task writes
+        # each variable, so no two tasks share a chunk (xarray's check would refuse
+        # region writes that start inside a chunk, which it allows for numpy values)
+        kwargs.setdefault("safe_chunks", False)
     with use_gds_pipeline(levels):
         return prepared.to_zarr(store, **kwargs)
