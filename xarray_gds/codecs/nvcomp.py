@@ -602,5 +602,9 @@ def encode(chain: Any, chunks: Any) -> Any:
     starts = np.concatenate([[0], np.cumsum(framed)[:-1]]).astype(np.int64)
     packed = cp.empty(max(1, int(framed.sum())), dtype=cp.uint8)
     gather(out, rows, packed, starts + head, sizes)
-    host = cp.asnumpy(packed)
+    # pinned host memory: a copy to pageable memory runs at a fraction of the bus speed
+    import cupyx
+
+    host = cupyx.empty_pinned(packed.shape, dtype=np.uint8)
+    packed.get(out=host)
     return enc.Encoded(host, starts, enc.add_framing(name, host, starts, sizes, nbytes, checksums))
