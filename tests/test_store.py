@@ -143,3 +143,39 @@ def test_read_only_store_refuses_writes(tmp_path: Path) -> None:
     store, _ = _payload(tmp_path)
     with pytest.raises(ValueError, match="read-only"):
         store.set_sync("arr/c/1", cpu.Buffer.from_bytes(b"x"))
+
+
+def test_deferred_metadata_is_served_then_flushed(tmp_path: Path) -> None:
+    """Held metadata keys are read, listed and deleted like files, and reach the disk
+    only on flush_metadata (chunks go to disk at once)."""
+    import zarr.core.sync as zsync
+
+    store = GdsStore(tmp_path / "s.zarr", read_only=False)
+    store.defer_metadata()
+    meta = cpu.Buffer.from_bytes(b'{"zarr_format": 3, "node_type": "group"}')
+    chunk = cpu.Buffer.from_bytes(b"abc")
+    zsync.sync(store.set("zarr.json", meta))
+    zsync.sync(store.set("a/zarr.json", meta))
+    zsync.sync(store.set("a/c/0", chunk))
+    zsync.sync(store.set("b/zarr.json", meta))
+    assert not (tmp_path / "s.zarr" / "zarr.json").exists()
+    assert (tmp_path / "s.zarr" / "a" / "c" / "0").exists()
+    assert zsync.sync(store.exists("a/zarr.json"))
+    got = zsync.sync(store.get("a/zarr.json", prototype=cpu.buffer_prototype))
+    assert got is not None and got.to_bytes() == meta.to_bytes()
+
+    async def listed(it: Any) -> list[str]:
+        return sorted([k async for k in it])
+
+    assert zsync.sync(listed(store.list_dir(""))) == ["a", "b", "zarr.json"]
+    assert zsync.sync(listed(store.list_prefix("a/"))) == ["a/c/0", "a/zarr.json"]
+    ro = store.with_read_only(True)
+    assert zsync.sync(ro.exists("b/zarr.json"))
+    zsync.sync(store.delete_dir("b"))
+    assert not zsync.sync(store.exists("b/zarr.json"))
+    store.flush_metadata()
+    assert (tmp_path / "s.zarr" / "zarr.json").read_bytes() == meta.to_bytes()
+    assert (tmp_path / "s.zarr" / "a" / "zarr.json").exists()
+    assert not (tmp_path / "s.zarr" / "b").exists()
+    zsync.sync(store.set("c/zarr.json", meta))  # no longer held
+    assert (tmp_path / "s.zarr" / "c" / "zarr.json").exists()

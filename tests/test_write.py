@@ -202,3 +202,53 @@ def test_urls_and_stores_go_to_xarray_unchanged(
     xarray_gds.to_zarr(ds, str(tmp_path / "local.zarr"))
     assert seen[0] == "s3://bucket/out.zarr" and seen[1] is store
     assert isinstance(seen[2], xarray_gds.GdsStore)
+
+
+def _recording_replace(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> list[str]:
+    """Record the files renamed into place (in order); optionally fail at chunk ``fail_at``."""
+    real_replace = Path.replace
+    renamed: list[str] = []
+
+    def replace(self: Path, target: Any) -> Any:
+        name = Path(target).name
+        chunks = [r for r in renamed if not r.endswith(("zarr.json", ".zarray", ".zattrs"))]
+        if fail_at is not None and name not in ("zarr.json",) and len(chunks) == fail_at:
+            raise OSError("disk full (injected)")
+        renamed.append(str(target))
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    return renamed
+
+
+def test_metadata_is_written_after_the_data(
+    tmp_path: Path, v3_store: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device)
+    out = tmp_path / "out.zarr"
+    with monkeypatch.context() as patch:
+        renamed = _recording_replace(patch, None)
+        xarray_gds.to_zarr(gds, out, consolidated=True)
+    metadata = [i for i, r in enumerate(renamed) if Path(r).name == "zarr.json"]
+    chunks = [i for i, r in enumerate(renamed) if Path(r).name != "zarr.json"]
+    assert chunks and metadata
+    assert max(chunks) < min(metadata)  # every chunk file before any metadata
+    assert renamed[-1] == str(out / "zarr.json")  # the root (consolidated) last
+    xr.testing.assert_identical(_open(out), _xarray_round_trip(v3_store, tmp_path))
+
+
+def test_failed_append_leaves_the_store_as_it_was(
+    tmp_path: Path, v3_store: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store.zarr"
+    shutil.copytree(v3_store, path)
+    before = _open(path)
+    gds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    more = gds.isel(time=slice(0, 4)).load()
+    with monkeypatch.context() as patch:
+        _recording_replace(patch, 3)
+        with pytest.raises(OSError, match="injected"):
+            xarray_gds.to_zarr(more, path, append_dim="time")
+    # the metadata still describes the old arrays: the appended chunks are not visible
+    xr.testing.assert_identical(_open(path), before)
+    assert not list(path.rglob("*.partial"))

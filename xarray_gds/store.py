@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
@@ -264,6 +264,14 @@ def read_ranges_host(
     return out
 
 
+@dataclass
+class _Deferred:
+    """Metadata keys held back by :meth:`GdsStore.defer_metadata`."""
+
+    keys: dict[str, Buffer] = field(default_factory=dict)
+    active: bool = True
+
+
 class GdsStore(LocalStore):
     """A :class:`zarr.storage.LocalStore` whose chunk reads land in GPU memory.
 
@@ -304,6 +312,10 @@ class GdsStore(LocalStore):
         if prototype is None:
             prototype = cpu.buffer_prototype
         path = self.resolve(key)
+        held = self._held(key)
+        if held is not None:
+            start, stop = _byte_span(len(held), byte_range)
+            return cpu.Buffer.from_bytes(held.to_bytes()[start:stop])
         try:
             if _is_gpu_prototype(prototype) and not is_metadata_key(key):
                 return prototype.buffer.from_array_like(_read_device(path, byte_range))
@@ -362,34 +374,150 @@ class GdsStore(LocalStore):
             )
         )
 
+    # -- metadata held back until the data it describes is written ---------------------
+    _deferred: _Deferred | None = None
+
+    def defer_metadata(self) -> None:
+        """Hold metadata writes in memory until :meth:`flush_metadata`.
+
+        Chunks are written to disk as usual; metadata keys (``zarr.json``, ``.zarray``,
+        ``.zattrs``, ``.zgroup``, ``.zmetadata``) are kept here and served to reads,
+        listings and existence checks, then written after the data. A write that
+        fails before the flush leaves the metadata on disk as it was: an append
+        that fails does not extend the array over chunks that were never written.
+        Stores made from this one by ``with_read_only`` share the held keys.
+        """
+        self._deferred = _Deferred()
+
+    def flush_metadata(self) -> None:
+        """Write the held metadata (arrays before their groups, consolidated last) and
+        stop holding it."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        deferred.active = False
+        order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
+        for key in order:
+            super().set_sync(key, deferred.keys[key])
+        deferred.keys.clear()
+
+    def discard_metadata(self) -> None:
+        """Drop the held metadata (a write failed) and stop holding it."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred.active = False
+            deferred.keys.clear()
+
+    def _held(self, key: str) -> Buffer | None:
+        deferred = self._deferred
+        if deferred is None or not deferred.active:
+            return None
+        return deferred.keys.get(key)
+
+    def _holds(self, key: str) -> bool:
+        deferred = self._deferred
+        return deferred is not None and deferred.active and is_metadata_key(key)
+
+    def _forget(self, prefix: str) -> None:
+        deferred = self._deferred
+        if deferred is not None and deferred.active:
+            for key in [k for k in deferred.keys if k == prefix or k.startswith(prefix)]:
+                del deferred.keys[key]
+
+    def _held_keys(self, prefix: str = "") -> list[str]:
+        deferred = self._deferred
+        if deferred is None or not deferred.active:
+            return []
+        return [k for k in deferred.keys if k.startswith(prefix)]
+
+    def with_read_only(self, read_only: bool = False) -> Self:
+        clone = super().with_read_only(read_only)
+        clone._deferred = self._deferred
+        return clone
+
     # Key validation for the inherited write/list paths.
     def set_sync(self, key: str, value: Buffer) -> None:
         self.resolve(key)
+        if self._holds(key):
+            self._deferred.keys[key] = value  # type: ignore[union-attr]
+            return
         super().set_sync(key, value)
 
     def delete_sync(self, key: str) -> None:
         self.resolve(key)
+        self._forget(key)
         super().delete_sync(key)
 
     async def set(self, key: str, value: Buffer) -> None:
         self.resolve(key)
+        if self._holds(key):
+            self._deferred.keys[key] = value  # type: ignore[union-attr]
+            return
         await super().set(key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self.resolve(key)
+        if self._holds(key):
+            if not await self.exists(key):
+                self._deferred.keys[key] = value  # type: ignore[union-attr]
+            return
         await super().set_if_not_exists(key, value)
 
     async def delete(self, key: str) -> None:
         self.resolve(key)
+        self._forget(key)
         await super().delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._forget(prefix.rstrip("/") + "/" if prefix else "")
+        await super().delete_dir(prefix)
+
+    async def clear(self) -> None:
+        self._forget("")
+        await super().clear()
 
     async def exists(self, key: str) -> bool:
         self.resolve(key)
+        if self._held(key) is not None:
+            return True
         return await super().exists(key)
 
     async def getsize(self, key: str) -> int:
         self.resolve(key)
+        held = self._held(key)
+        if held is not None:
+            return len(held)
         return await super().getsize(key)
+
+    async def list(self) -> AsyncIterator[str]:
+        seen = set()
+        async for key in super().list():
+            seen.add(key)
+            yield key
+        for key in self._held_keys():
+            if key not in seen:
+                yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        seen = set()
+        async for key in super().list_prefix(prefix):
+            seen.add(key)
+            yield key
+        for key in self._held_keys(prefix):
+            if key not in seen:
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
+        seen = set()
+        async for name in super().list_dir(prefix):
+            seen.add(name)
+            yield name
+        for key in self._held_keys(base):
+            name = key[len(base) :].split("/", 1)[0]
+            if name not in seen:
+                seen.add(name)
+                yield name
 
     def __repr__(self) -> str:
         return f"GdsStore('{self}')"

@@ -123,5 +123,18 @@ def to_zarr(
         # each variable, so no two tasks share a chunk (xarray's check would refuse
         # region writes that start inside a chunk, which it allows for numpy values)
         kwargs.setdefault("safe_chunks", False)
-    with use_gds_pipeline(levels):
-        return prepared.to_zarr(store, **kwargs)
+    if not isinstance(store, GdsStore):
+        with use_gds_pipeline(levels):
+            return prepared.to_zarr(store, **kwargs)
+    # metadata goes to disk after the data it describes (see GdsStore.defer_metadata);
+    # with compute=False after what this call writes, as xarray writes it at once (a
+    # store initialised with compute=False is the template of later region writes)
+    store.defer_metadata()
+    try:
+        with use_gds_pipeline(levels):
+            return prepared.to_zarr(store, **kwargs)
+    except BaseException:
+        store.discard_metadata()
+        raise
+    finally:
+        store.flush_metadata()
