@@ -40,7 +40,7 @@ def test_adler32_matches_zlib(size: int) -> None:
         (3, {"compressors": zc.GzipCodec(level=1)}, "level=1"),
         (3, {"compressors": zc.BloscCodec()}, "blosc"),
         (3, {"compressors": (zc.ZstdCodec(), zc.Crc32cCodec())}, "crc32c"),
-        (3, {"shards": (16, 32)}, "sharded"),
+        (3, {"shards": (16, 32), "compressors": zc.BloscCodec()}, "inner chunks: blosc"),
         (2, {"compressors": numcodecs.Zstd(level=5)}, "level=5"),
         (2, {"compressors": numcodecs.LZ4(acceleration=3)}, "acceleration=3"),
         (2, {"compressors": numcodecs.Blosc()}, "blosc"),
@@ -144,8 +144,9 @@ def _dataset(device: str) -> Any:
     return xr.Dataset({"a": (("x", "y"), data)}), values
 
 
+@pytest.mark.parametrize("sharded", [False, True])
 def test_to_zarr_encodes_in_batches_and_drops_empty_chunks(
-    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch, sharded: bool
 ) -> None:
     import xarray as xr
 
@@ -170,9 +171,13 @@ def test_to_zarr_encodes_in_batches_and_drops_empty_chunks(
     ds, values = _dataset(device)
     out = tmp_path / "out.zarr"
     encoding = {"a": {"chunks": (8, 16), "compressors": zc.ZstdCodec()}}
+    if sharded:
+        encoding["a"]["shards"] = (16, 32)
     xarray_gds.to_zarr(ds, out, encoding=encoding, write_empty_chunks=False)
-    assert calls == [11]  # 12 chunks, one of them empty, in one batch
-    assert not (out / "a" / "c" / "1" / "1").exists()
+    # 12 chunks in the array (16 inner chunks in the shards' full extent), one of them
+    # empty (5 of them, with the inner chunks of edge shards past the array): one batch
+    assert calls == [11]
+    assert (out / "a" / "c" / "1" / "1").exists() == sharded
     got = xr.open_dataset(out, engine="zarr")
     np.testing.assert_array_equal(got.a.values, values)
     # a partial region write merges with the stored chunks
@@ -249,3 +254,58 @@ def test_failed_batched_write_leaves_whole_chunks(
             n_new += 1
     assert 4 <= n_new < 11
     assert not list(out.rglob("*.partial"))
+
+
+@pytest.mark.parametrize("index_location", ["end", "start"])
+@pytest.mark.parametrize("index_crc", [True, False])
+@pytest.mark.parametrize("write_empty", [True, False])
+def test_encoded_shards_decode_with_zarr(
+    index_location: str, index_crc: bool, write_empty: bool, device: str
+) -> None:
+    """Shards made by encode_shards (inner chunks in one batch, index on the host) are
+    what zarr-python reads as the same values; empty inner chunks are left out."""
+    index_codecs: list[Any] = [zc.BytesCodec()] + ([zc.Crc32cCodec()] if index_crc else [])
+    sharding = zc.ShardingCodec(
+        chunk_shape=(4, 8),
+        codecs=[zc.BytesCodec(), zc.ZstdCodec()],
+        index_codecs=index_codecs,
+        index_location=index_location,
+    )
+    arr = zarr.create_array(
+        store=zarr.storage.MemoryStore(),
+        shape=(16, 32),
+        chunks=(8, 16),
+        dtype="f4",
+        fill_value=np.nan,
+        serializer=sharding,
+        compressors=None,
+    )
+    plan = enc.plan_encode(arr.metadata)
+    assert isinstance(plan, enc.ShardEncode), plan
+    assert plan.grid == (2, 2) and plan.inner.compressor == "zstd"
+    values = np.cumsum(np.random.default_rng(2).normal(size=(16, 32)), axis=0).astype("f4")
+    values[0:4, 0:8] = np.nan  # an empty inner chunk of shard (0, 0)
+    values[8:16, 16:32] = np.nan  # shard (1, 1) holds only the fill value
+    shards: Any = values.reshape(2, 8, 2, 16).transpose(0, 2, 1, 3).reshape(4, 8, 16)
+    xp: Any = np
+    if device == "cuda":
+        import cupy as cp
+
+        shards, xp = cp.asarray(shards), cp
+    pieces = enc.encode_shards(plan, shards, write_empty, np.float32(np.nan), xp, _encoder(device))
+    assert (pieces[3] is None) == (not write_empty)
+    for i, piece in enumerate(pieces):
+        if piece is None:
+            continue
+        key = arr.metadata.encode_chunk_key(divmod(i, 2))
+        zarr.core.sync.sync(
+            arr.store.set(key, zarr.core.buffer.cpu.Buffer.from_bytes(bytes(piece)))
+        )
+    np.testing.assert_array_equal(arr[...], values)
+    if not write_empty:
+        first = bytes(pieces[0])  # type: ignore[arg-type]
+        index = np.frombuffer(
+            first[-(64 + 4 * index_crc) :][:64] if index_location == "end" else first[:64],
+            dtype="<u8",
+        ).reshape(4, 2)
+        assert (index[0] == 2**64 - 1).all()  # the empty inner chunk is not stored

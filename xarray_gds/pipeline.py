@@ -35,7 +35,14 @@ from zarr.registry import register_pipeline
 
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
-from xarray_gds.codecs.encode import EncodeChain, encode_host, plan_encode
+from xarray_gds.codecs.encode import (
+    EncodeChain,
+    ShardEncode,
+    empty_rows,
+    encode_host,
+    encode_shards,
+    plan_encode,
+)
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, GdsStore, read_ranges_device, read_ranges_host
 
@@ -109,7 +116,7 @@ class GdsCodecPipeline(CodecPipeline):
         self._chunk_key_parts = chunk_key_parts
         self._metadata = metadata
         self._levels = str(zarr.config.get(_LEVELS_KEY, "host"))
-        self._encode: EncodeChain | str | None = None
+        self._encode: EncodeChain | ShardEncode | str | None = None
 
     def __repr__(self) -> str:
         return f"GdsCodecPipeline(chain={self._chain!r})"
@@ -167,7 +174,7 @@ class GdsCodecPipeline(CodecPipeline):
             return
         on_device = _device.is_device_array(array)
         plan = self.encode_plan
-        if isinstance(plan, EncodeChain) and (on_device or _host_batched_writes()):
+        if isinstance(plan, EncodeChain | ShardEncode) and (on_device or _host_batched_writes()):
             await _write_batched(self, plan, batch, array, drop_axes, on_device)
             return
         if on_device:
@@ -176,7 +183,7 @@ class GdsCodecPipeline(CodecPipeline):
         await self._fallback.write(batch, value, drop_axes)
 
     @property
-    def encode_plan(self) -> EncodeChain | str:
+    def encode_plan(self) -> EncodeChain | ShardEncode | str:
         """The batched encode plan of this array, or why it encodes on the host."""
         if self._encode is None:
             if self._metadata is None:
@@ -693,18 +700,12 @@ def _assemble(
     n = len(part)
     if write_empty or not n:
         return np.ones(n, dtype=bool)
-    fill = fill_value_or_default(part[0][1])
-    flat = stage.reshape(n, -1)
-    same = flat == fill
-    if np.asarray(fill != fill).any():  # NaN fill: NaN chunks are empty too
-        same |= flat != flat
-    empty = same.all(axis=1)
-    return ~np.asarray(empty.get() if hasattr(empty, "get") else empty, dtype=bool)
+    return ~empty_rows(stage.reshape(n, -1), fill_value_or_default(part[0][1]), xp)
 
 
 async def _write_batched(
     pipe: GdsCodecPipeline,
-    plan: EncodeChain,
+    plan: EncodeChain | ShardEncode,
     batch: list[Any],
     array: Any,
     drop_axes: tuple[int, ...],
@@ -738,27 +739,34 @@ async def _write_batched(
 
         def encode(
             part: list[Any] = part, stage: Any = stage, write_empty: bool = write_empty
-        ) -> Any:
+        ) -> list[Any]:
             keep = _assemble(stage, part, array, drop_axes, write_empty, xp)
             kept = np.flatnonzero(keep)
+            pieces: list[Any] = [None] * len(part)
             if not kept.size:
-                return keep, None
+                return pieces
             chunks = stage if kept.size == len(part) else stage[xp.asarray(kept)]
             if on_device:
                 from xarray_gds.codecs import nvcomp
 
-                return keep, nvcomp.encode(plan, chunks)
-            return keep, encode_host(plan, chunks)
-
-        keep, encoded = await asyncio.to_thread(encode)
-        jobs: list[tuple[Any, Any]] = []
-        k = 0
-        for j, (byte_setter, *_) in enumerate(part):
-            if keep[j]:
-                jobs.append((byte_setter, cpu.Buffer.from_array_like(encoded.chunk(k))))
-                k += 1
+                encoder = nvcomp.encode
             else:
-                jobs.append((byte_setter, None))
+                encoder = encode_host
+            if isinstance(plan, ShardEncode):
+                fill = fill_value_or_default(part[0][1])
+                done = encode_shards(plan, chunks, write_empty, fill, xp, encoder)
+            else:
+                encoded = encoder(plan, chunks)
+                done = [encoded.chunk(k) for k in range(kept.size)]
+            for j, piece in zip(kept.tolist(), done, strict=True):
+                pieces[j] = piece
+            return pieces
+
+        pieces = await asyncio.to_thread(encode)
+        jobs = [
+            (bs, None if piece is None else cpu.Buffer.from_array_like(piece))
+            for (bs, *_), piece in zip(part, pieces, strict=True)
+        ]
         store = part[0][0].store
         if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
             keys = [bs.path for bs, _ in jobs]

@@ -109,7 +109,7 @@ def to_zarr(
     Notes
     -----
     Device values of arrays whose codecs have no GPU encoder (Blosc, filters,
-    crc32c, sharding, zstd with ``checksum=True``, a non-default level with
+    crc32c on the chunks, zstd with ``checksum=True``, a non-default level with
     ``levels="host"``) are copied to the host and encoded by zarr-python, with one
     ``RuntimeWarning`` per array that names the codecs and the reason.
     """

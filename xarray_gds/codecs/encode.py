@@ -18,13 +18,24 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 import numcodecs
 import numpy as np
 import zarr.codecs as zc
 
-from xarray_gds.codecs import DecodeChain, plan_chain
+from xarray_gds.codecs import DecodeChain, ShardChain, plan_chain
 
-__all__ = ["EncodeChain", "Encoded", "adler32", "encode_host", "layout", "plan_encode"]
+__all__ = [
+    "EncodeChain",
+    "Encoded",
+    "ShardEncode",
+    "adler32",
+    "empty_rows",
+    "encode_host",
+    "encode_shards",
+    "layout",
+    "plan_encode",
+]
 
 #: Stream formats the batched encoder writes.
 FORMATS = ("zstd", "gzip", "zlib", "lz4")
@@ -68,12 +79,12 @@ class EncodeChain:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
 
-def _compressor_codec(metadata: Any) -> Any:
-    """The codec object that compresses chunks (v2 compressor, v3 bytes-to-bytes codec)."""
-    if hasattr(metadata, "compressor"):
-        return metadata.compressor
-    codecs = [c for c in metadata.codecs if not isinstance(c, zc.BytesCodec | zc.TransposeCodec)]
-    return codecs[0] if codecs else None
+def _compressor_of(codecs: Any) -> Any:
+    """The codec that compresses chunks among ``codecs`` (v2: ``[compressor]``)."""
+    rest = [
+        c for c in codecs if c is not None and not isinstance(c, zc.BytesCodec | zc.TransposeCodec)
+    ]
+    return rest[0] if rest else None
 
 
 def _default_level(codec: Any) -> tuple[str, Any, Any] | None:
@@ -87,7 +98,7 @@ def _default_level(codec: Any) -> tuple[str, Any, Any] | None:
     return None
 
 
-def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | str:
+def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | ShardEncode | str:
     """Plan the batched encode of an array, or say why its chunks encode on the host.
 
     Parameters
@@ -102,14 +113,26 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | str:
 
     Returns
     -------
-    EncodeChain, or str
-        The chain, or the reason (for a warning) when zarr-python must encode.
+    EncodeChain, ShardEncode, or str
+        The plan, or the reason (for a warning) when zarr-python must encode.
     """
     chain = plan_chain(metadata)
+    if isinstance(chain, ShardChain):
+        sharding = metadata.codecs[0]
+        inner = _plan_chunks(chain.inner, _compressor_of(sharding.codecs), levels)
+        if isinstance(inner, str):
+            return f"inner chunks: {inner}"
+        return ShardEncode(
+            chain.shard_shape, inner, chain.index_crc32c, chain.index_at_end, chain.codecs
+        )
     if not isinstance(chain, DecodeChain):
-        if hasattr(chain, "inner"):
-            return "sharded arrays are encoded on the host for now"
         return str(chain.reason)
+    codecs = [metadata.compressor] if hasattr(metadata, "compressor") else metadata.codecs
+    return _plan_chunks(chain, _compressor_of(codecs), levels)
+
+
+def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | str:
+    """The encode chain of chunks that ``chain`` decodes, ``codec`` their compressor."""
     if chain.filters:
         return "filters are encoded on the host"
     if chain.crc32c:
@@ -117,7 +140,6 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | str:
     name = chain.compressor.name if chain.compressor is not None else None
     if name is not None and name not in FORMATS:
         return f"{chain.compressor.detail or name} has no GPU encoder"  # type: ignore[union-attr]
-    codec = _compressor_codec(metadata)
     if getattr(codec, "checksum", False):
         return "zstd checksum=True: nvCOMP does not write content checksums"
     setting = _default_level(codec)
@@ -131,6 +153,104 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | str:
     if name == "lz4" and chain.nbytes > _LZ4_MAX:
         return f"chunks of {chain.nbytes} bytes exceed nvCOMP's LZ4 limit of 16 MiB"
     return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, name, chain.codecs)
+
+
+@dataclass(frozen=True)
+class ShardEncode:
+    """How to encode the shards of a sharded array (v3 ``sharding_indexed``): inner
+    chunks with ``inner``, then each shard's index (``bytes``, optionally ``crc32c``).
+
+    ``chunk_shape``, ``dtype`` and ``nbytes`` describe a whole shard, the unit that
+    writes stage and store.
+    """
+
+    chunk_shape: tuple[int, ...]
+    inner: EncodeChain
+    index_crc32c: bool
+    index_at_end: bool
+    codecs: tuple[str, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.inner.dtype
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Inner chunks per shard along each axis."""
+        inner = self.inner.chunk_shape
+        return tuple(s // c for s, c in zip(self.chunk_shape, inner, strict=True))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+
+def empty_rows(flat: Any, fill: Any, xp: Any) -> np.ndarray:
+    """Which rows of ``flat`` ``(n, m)`` hold only ``fill`` (NaN fills match NaN), on the host."""
+    same = flat == fill
+    if np.asarray(fill != fill).any():
+        same |= flat != flat
+    empty = same.all(axis=1)
+    return np.asarray(empty.get() if hasattr(empty, "get") else empty, dtype=bool)
+
+
+_MISSING = np.uint64(2**64 - 1)
+
+
+def encode_shards(
+    plan: ShardEncode,
+    shards: Any,
+    write_empty: bool,
+    fill: Any,
+    xp: Any,
+    encoder: Any,
+) -> list[np.ndarray | None]:
+    """Encode shards ``(n, *shard_shape)``: all their inner chunks with one ``encoder``
+    call, then each shard's bytes (inner chunks in C order, then or before the index)
+    on the host. Inner chunks holding only ``fill`` are left out unless
+    ``write_empty``; a shard left with none is ``None`` (delete it)."""
+    n, grid, inner_shape = shards.shape[0], plan.grid, plan.inner.chunk_shape
+    ndim, n_inner = len(grid), math.prod(grid)
+    split = [d for pair in zip(grid, inner_shape, strict=True) for d in pair]
+    perm = (0, *(1 + 2 * i for i in range(ndim)), *(2 + 2 * i for i in range(ndim)))
+    inner = xp.ascontiguousarray(shards.reshape((n, *split)).transpose(perm))
+    inner = inner.reshape((n * n_inner, *inner_shape))
+    if write_empty:
+        present = np.ones(n * n_inner, dtype=bool)
+    else:
+        present = ~empty_rows(inner.reshape(n * n_inner, -1), fill, xp)
+    picked = np.flatnonzero(present)
+    if not picked.size:
+        return [None] * n
+    chunks = inner if picked.size == n * n_inner else inner[xp.asarray(picked)]
+    encoded = encoder(plan.inner, chunks)
+    present = present.reshape(n, n_inner)
+    index_nbytes = n_inner * 16 + (4 if plan.index_crc32c else 0)
+    shift = 0 if plan.index_at_end else index_nbytes
+    out: list[np.ndarray | None] = []
+    k = 0
+    for s in range(n):
+        count = int(present[s].sum())
+        if not count:
+            out.append(None)
+            continue
+        starts, sizes = encoded.starts[k : k + count], encoded.sizes[k : k + count]
+        k += count
+        base = int(starts[0])
+        payload = encoded.data[base : int(starts[-1] + sizes[-1])]  # contiguous
+        table = np.full((n_inner, 2), _MISSING, dtype="<u8")
+        table[present[s], 0] = starts - base + shift
+        table[present[s], 1] = sizes
+        index = table.tobytes()
+        if plan.index_crc32c:
+            index += google_crc32c.value(index).to_bytes(4, "little")
+        head, tail = (b"", index) if plan.index_at_end else (index, b"")
+        shard = np.empty(len(head) + payload.size + len(tail), dtype=np.uint8)
+        shard[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        shard[len(head) : len(head) + payload.size] = payload
+        shard[len(head) + payload.size :] = np.frombuffer(tail, dtype=np.uint8)
+        out.append(shard)
+    return out
 
 
 def layout(chain: EncodeChain, chunks: Any, xp: Any) -> Any:
