@@ -224,6 +224,8 @@ def test_failed_batched_write_leaves_whole_chunks(
 
     if device == "cpu":
         monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    # batches of 3 chunks: the failure hits while the next batch is being encoded
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(3 * 5 * 8 * 16 * 4))
     ds, values = _dataset(device)
     out = tmp_path / "out.zarr"
     encoding = {"a": {"chunks": (8, 16), "compressors": zc.GzipCodec()}}

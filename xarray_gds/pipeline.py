@@ -716,63 +716,80 @@ async def _write_batched(
     Chunks the value fills are encoded from it alone; the others start from their
     stored values (decoded by the batched read) or the fill value. Each chunk file is
     written whole (the store's atomic set) or deleted when it holds only the fill
-    value and ``write_empty_chunks`` is off.
+    value and ``write_empty_chunks`` is off. The files of one batch are written while
+    the next batch is staged and encoded.
     """
     xp = _device.array_module("cuda" if on_device else "cpu")
     proto = _device.buffer_prototype("cuda" if on_device else "cpu")
     dtype = plan.dtype.newbyteorder("=")
     # the staged chunks, their stored layout and the compressed output live together
     per_part = max(1, _budget(on_device) // max(1, 5 * plan.nbytes))
-    for part in _split(batch, per_part):
-        stage = xp.empty((len(part), *plan.chunk_shape), dtype=dtype)
-        for j, entry in enumerate(part):
-            if _covers(entry, plan.chunk_shape):
-                continue
-            byte_setter, spec, _, _, complete = entry
-            if complete:  # an edge chunk: the value covers all of it inside the array
-                stage[j] = fill_value_or_default(spec)
-                continue
-            whole = tuple(slice(0, s) for s in plan.chunk_shape)
-            view = proto.nd_buffer.from_ndarray_like(stage[j : j + 1].reshape(plan.chunk_shape))
-            await pipe.read([(byte_setter, spec, whole, whole, True)], view)
-        write_empty = bool(part[0][1].config.write_empty_chunks)
+    writing: asyncio.Future[None] | None = None
+    try:
+        for part in _split(batch, per_part):
+            stage = xp.empty((len(part), *plan.chunk_shape), dtype=dtype)
+            for j, entry in enumerate(part):
+                if _covers(entry, plan.chunk_shape):
+                    continue
+                byte_setter, spec, _, _, complete = entry
+                if complete:  # an edge chunk: the value covers all of it inside the array
+                    stage[j] = fill_value_or_default(spec)
+                    continue
+                whole = tuple(slice(0, s) for s in plan.chunk_shape)
+                view = proto.nd_buffer.from_ndarray_like(stage[j : j + 1].reshape(plan.chunk_shape))
+                await pipe.read([(byte_setter, spec, whole, whole, True)], view)
+            write_empty = bool(part[0][1].config.write_empty_chunks)
 
-        def encode(
-            part: list[Any] = part, stage: Any = stage, write_empty: bool = write_empty
-        ) -> list[Any]:
-            keep = _assemble(stage, part, array, drop_axes, write_empty, xp)
-            kept = np.flatnonzero(keep)
-            pieces: list[Any] = [None] * len(part)
-            if not kept.size:
+            def encode(
+                part: list[Any] = part, stage: Any = stage, write_empty: bool = write_empty
+            ) -> list[Any]:
+                keep = _assemble(stage, part, array, drop_axes, write_empty, xp)
+                kept = np.flatnonzero(keep)
+                pieces: list[Any] = [None] * len(part)
+                if not kept.size:
+                    return pieces
+                chunks = stage if kept.size == len(part) else stage[xp.asarray(kept)]
+                if on_device:
+                    from xarray_gds.codecs import nvcomp
+
+                    encoder = nvcomp.encode
+                else:
+                    encoder = encode_host
+                if isinstance(plan, ShardEncode):
+                    fill = fill_value_or_default(part[0][1])
+                    done = encode_shards(plan, chunks, write_empty, fill, xp, encoder)
+                else:
+                    encoded = encoder(plan, chunks)
+                    done = [encoded.chunk(k) for k in range(kept.size)]
+                for j, piece in zip(kept.tolist(), done, strict=True):
+                    pieces[j] = piece
                 return pieces
-            chunks = stage if kept.size == len(part) else stage[xp.asarray(kept)]
-            if on_device:
-                from xarray_gds.codecs import nvcomp
 
-                encoder = nvcomp.encode
-            else:
-                encoder = encode_host
-            if isinstance(plan, ShardEncode):
-                fill = fill_value_or_default(part[0][1])
-                done = encode_shards(plan, chunks, write_empty, fill, xp, encoder)
-            else:
-                encoded = encoder(plan, chunks)
-                done = [encoded.chunk(k) for k in range(kept.size)]
-            for j, piece in zip(kept.tolist(), done, strict=True):
-                pieces[j] = piece
-            return pieces
+            pieces = await asyncio.to_thread(encode)
+            jobs = [
+                (bs, None if piece is None else cpu.Buffer.from_array_like(piece))
+                for (bs, *_), piece in zip(part, pieces, strict=True)
+            ]
+            if writing is not None:
+                await writing
+            writing = asyncio.ensure_future(_store_jobs(jobs))
+        if writing is not None:
+            done, writing = writing, None
+            await done
+    finally:
+        if writing is not None:  # a batch failed: let the writes in flight finish first
+            with contextlib.suppress(Exception):
+                await writing
 
-        pieces = await asyncio.to_thread(encode)
-        jobs = [
-            (bs, None if piece is None else cpu.Buffer.from_array_like(piece))
-            for (bs, *_), piece in zip(part, pieces, strict=True)
-        ]
-        store = part[0][0].store
-        if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
-            keys = [bs.path for bs, _ in jobs]
-            await asyncio.to_thread(_store_all, store, keys, [b for _, b in jobs])
-        else:
-            await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
+
+async def _store_jobs(jobs: list[tuple[Any, Any]]) -> None:
+    """Write (or delete, for ``None``) every chunk of a part."""
+    store = jobs[0][0].store
+    if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
+        keys = [bs.path for bs, _ in jobs]
+        await asyncio.to_thread(_store_all, store, keys, [b for _, b in jobs])
+    else:
+        await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
 
 
 def _store_all(store: GdsStore, keys: list[str], buffers: list[Any]) -> None:
