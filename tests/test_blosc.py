@@ -174,6 +174,16 @@ def test_short_last_block(shuffle: int, tail: int):
     assert np.all(streams.blocksize == 1024)
 
 
+#: Blosc settings that differ in every respect, for batches mixing them
+_MIXED = [
+    numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4),
+    numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, blocksize=1024, typesize=8),
+    numcodecs.Blosc("zlib", 1, numcodecs.Blosc.NOSHUFFLE),
+    numcodecs.Blosc("lz4hc", 0, numcodecs.Blosc.SHUFFLE, typesize=2),
+    numcodecs.Blosc("lz4", 9, numcodecs.Blosc.BITSHUFFLE, blocksize=256, typesize=1),
+]
+
+
 @pytest.mark.parametrize("pass_nbytes", [None, 3000])
 def test_mixed_batch(monkeypatch: pytest.MonkeyPatch, pass_nbytes: int | None):
     """Frames of one batch with different compressors, shuffles, typesizes and blocks."""
@@ -181,11 +191,7 @@ def test_mixed_batch(monkeypatch: pytest.MonkeyPatch, pass_nbytes: int | None):
         monkeypatch.setattr(blosc_module, "_BIT_PASS_NBYTES", pass_nbytes)
     nbytes = 96_000
     codecs = [
-        numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4),
-        numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, blocksize=1024, typesize=8),
-        numcodecs.Blosc("zlib", 1, numcodecs.Blosc.NOSHUFFLE),
-        numcodecs.Blosc("lz4hc", 0, numcodecs.Blosc.SHUFFLE, typesize=2),
-        numcodecs.Blosc("lz4", 9, numcodecs.Blosc.BITSHUFFLE, blocksize=256, typesize=1),
+        *_MIXED,
         numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4),
         numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, blocksize=1024, typesize=8),
     ]
@@ -528,11 +534,7 @@ def test_sparse_tables_mixed_batch():
     """Frames of one batch with different layouts, blocks out of order, split or not."""
     nbytes = 300_003
     codecs = [
-        numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4),
-        numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, blocksize=1024, typesize=8),
-        numcodecs.Blosc("zlib", 1, numcodecs.Blosc.NOSHUFFLE),
-        numcodecs.Blosc("lz4hc", 0, numcodecs.Blosc.SHUFFLE, typesize=2),
-        numcodecs.Blosc("lz4", 9, numcodecs.Blosc.BITSHUFFLE, blocksize=256, typesize=1),
+        *_MIXED,
         numcodecs.Blosc("blosclz", 5, numcodecs.Blosc.SHUFFLE, blocksize=3000, typesize=16),
         numcodecs.Blosc("lz4", 5, numcodecs.Blosc.NOSHUFFLE, blocksize=4096, typesize=8),
     ]
