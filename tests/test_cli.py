@@ -192,6 +192,7 @@ def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert field(t2m, "filter") == "shuffle(elementsize=4) | GPU (batched)"
     assert field(t2m, "compressor").startswith("zstd(level=5")
     assert field(t2m, "placement").startswith("device")
+    assert field(t2m, "encode").startswith("zarr-python on the host (filters")
     assert field(blocks["/time"], "placement") == "host (index coordinate)"
     assert "datetime64" in field(blocks["/valid_time"], "placement")
     assert "compressor" not in blocks["/valid_time"]
@@ -209,9 +210,11 @@ def test_info_v3_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert field(t2m, "inner compressor").startswith("zstd(level=7")
     assert field(t2m, "index compressor").startswith("crc32c")
     assert field(t2m, "placement").startswith("device")
+    assert field(t2m, "encode").startswith("zarr-python on the host (inner chunks: level=7")
     lat = blocks["/lat"]
     assert field(lat, "placement") == "host (index coordinate)"
     assert field(lat, "shape") == "(16,)"
+    assert field(lat, "encode") == "batched: nvCOMP on the GPU"
 
 
 def test_info_group_and_root_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

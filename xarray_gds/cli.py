@@ -511,6 +511,16 @@ def _route(array: Any) -> str:
     return "batched on the host; GPU reads fall back to zarr-python on the host"
 
 
+def _write_route(array: Any) -> str:
+    """One line on how ``xarray_gds.to_zarr`` encodes device values of ``array``."""
+    from xarray_gds.codecs.encode import plan_encode
+
+    plan = plan_encode(array.metadata)
+    if isinstance(plan, str):
+        return f"zarr-python on the host ({plan}); device values are copied over first"
+    return "batched: nvCOMP on the GPU"
+
+
 def _describe_array(array: Any) -> str:
     path = "/" + array.path if array.path else "/"
     dims = _dimension_names(array)
@@ -530,6 +540,7 @@ def _describe_array(array: Any) -> str:
         fields.append(("cf", ", ".join(f"{k}={v!r}" for k, v in cf.items())))
     fields.append(("placement", _engine_placement(array)))
     fields.append(("decode", _route(array)))
+    fields.append(("encode", _write_route(array)))
     width = max(len(k) for k, _ in fields)
     lines = [path] + [f"  {k.ljust(width)}  {v}" for k, v in fields]
     rows = _codec_rows(array)
