@@ -311,3 +311,31 @@ def test_encoded_shards_decode_with_zarr(
             dtype="<u8",
         ).reshape(4, 2)
         assert (index[0] == 2**64 - 1).all()  # the empty inner chunk is not stored
+
+
+@pytest.mark.parametrize(("fill", "value"), [(0.0, -0.0), (-0.0, 0.0), (0, -0.0)])
+def test_signed_zeros_are_not_the_fill_value(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch, fill: float, value: float
+) -> None:
+    """As zarr-python: a chunk of -0.0 is stored when the fill value is 0.0 (and the
+    reverse), so the sign survives the round trip."""
+    import xarray as xr
+
+    import xarray_gds
+
+    if device == "cpu":
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    values = np.full((8, 6), value, dtype="f4")
+    data: Any = values
+    if device == "cuda":
+        import cupy as cp
+
+        data = cp.asarray(values)
+    out = tmp_path / "zeros.zarr"
+    encoding = {"a": {"chunks": (4, 3), "fill_value": fill, "compressors": zc.ZstdCodec()}}
+    ds = xr.Dataset({"a": (("x", "y"), data)})
+    xarray_gds.to_zarr(ds, out, encoding=encoding, write_empty_chunks=False)
+    got = xr.open_dataset(out, engine="zarr", mask_and_scale=False).a.values
+    assert np.signbit(got).all() == np.signbit(value)
+    assert len(list((out / "a" / "c").rglob("*"))) >= 4
+    assert enc.empty_rows(np.full((2, 3), fill, "f8"), np.float64(fill), np).all()

@@ -179,3 +179,40 @@ def test_deferred_metadata_is_served_then_flushed(tmp_path: Path) -> None:
     assert not (tmp_path / "s.zarr" / "b").exists()
     zsync.sync(store.set("c/zarr.json", meta))  # no longer held
     assert (tmp_path / "s.zarr" / "c" / "zarr.json").exists()
+
+
+def test_deferred_metadata_ranges_prefixes_nesting_and_read_only(tmp_path: Path) -> None:
+    import zarr.core.sync as zsync
+    from zarr.abc.store import ByteRequest
+
+    store = GdsStore(tmp_path / "s.zarr", read_only=False)
+    store.defer_metadata()
+    zsync.sync(store.set("b/zarr.json", cpu.Buffer.from_bytes(b"0123456789")))
+    zsync.sync(store.set("bc/zarr.json", cpu.Buffer.from_bytes(b"{}")))
+
+    def read(request: ByteRequest | None) -> bytes:
+        got = zsync.sync(store.get("b/zarr.json", cpu.buffer_prototype, request))
+        assert got is not None
+        return got.to_bytes()
+
+    assert read(RangeByteRequest(2, 5)) == b"234"
+    assert read(OffsetByteRequest(3)) == b"3456789"
+    assert read(SuffixByteRequest(4)) == b"6789"
+
+    async def listed(prefix: str) -> list[str]:
+        return sorted([k async for k in store.list_prefix(prefix)])
+
+    assert zsync.sync(listed("b")) == ["b/zarr.json"]  # a directory, not a string prefix
+    zsync.sync(store.delete_dir("b"))
+    assert zsync.sync(store.exists("bc/zarr.json"))
+    with pytest.raises(ValueError, match="read-only"):
+        zsync.sync(store.with_read_only(True).set("d/zarr.json", cpu.Buffer.from_bytes(b"{}")))
+    store.defer_metadata()  # a second write through the same store object
+    store.flush_metadata()
+    assert not (tmp_path / "s.zarr" / "bc" / "zarr.json").exists()  # the outer one is open
+    store.flush_metadata()
+    assert (tmp_path / "s.zarr" / "bc" / "zarr.json").exists()
+    store.defer_metadata()
+    zsync.sync(store.set("e/zarr.json", cpu.Buffer.from_bytes(b"{}")))
+    store.discard_metadata()  # a failed write
+    assert not (tmp_path / "s.zarr" / "e").exists()

@@ -141,7 +141,9 @@ class GdsCodecPipeline(CodecPipeline):
 
     def evolve_from_array_spec(self, array_spec: Any) -> Self:
         evolved = self._fallback.evolve_from_array_spec(array_spec)
-        return type(self)(evolved, self._chain, self._chunk_key_parts, self._metadata)
+        pipe = type(self)(evolved, self._chain, self._chunk_key_parts, self._metadata)
+        pipe._levels = self._levels
+        return pipe
 
     # -- delegated ----------------------------------------------------------------
     @property
@@ -179,7 +181,7 @@ class GdsCodecPipeline(CodecPipeline):
             return
         if on_device:
             self._warn_host_encode(batch[0][0].path, str(plan))
-            value = cpu.NDBuffer.from_numpy_array(array.get())
+            value = cpu.NDBuffer.from_numpy_array(await asyncio.to_thread(array.get))
         await self._fallback.write(batch, value, drop_axes)
 
     @property
@@ -755,12 +757,20 @@ async def _write_batched(
                     encoder = nvcomp.encode
                 else:
                     encoder = encode_host
-                if isinstance(plan, ShardEncode):
-                    fill = fill_value_or_default(part[0][1])
-                    done = encode_shards(plan, chunks, write_empty, fill, xp, encoder)
-                else:
-                    encoded = encoder(plan, chunks)
-                    done = [encoded.chunk(k) for k in range(kept.size)]
+                try:
+                    if isinstance(plan, ShardEncode):
+                        fill = fill_value_or_default(part[0][1])
+                        done = encode_shards(plan, chunks, write_empty, fill, xp, encoder)
+                    else:
+                        encoded = encoder(plan, chunks)
+                        done = [encoded.chunk(k) for k in range(kept.size)]
+                except (RuntimeError, ValueError) as err:
+                    first, last = part[int(kept[0])][0].path, part[int(kept[-1])][0].path
+                    where = "GPU (nvCOMP)" if on_device else "host"
+                    raise RuntimeError(
+                        f"xarray-gds: encoding {kept.size} chunks ({first} .. {last}) with "
+                        f"[{', '.join(plan.codecs)}] on the {where} failed: {err}"
+                    ) from err
                 for j, piece in zip(kept.tolist(), done, strict=True):
                     pieces[j] = piece
                 return pieces

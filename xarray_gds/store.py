@@ -270,6 +270,8 @@ class _Deferred:
 
     keys: dict[str, Buffer] = field(default_factory=dict)
     active: bool = True
+    depth: int = 1  #: nested deferrals still open
+    failed: bool = False  #: one of them failed: drop the keys instead of writing them
 
 
 class GdsStore(LocalStore):
@@ -314,8 +316,8 @@ class GdsStore(LocalStore):
         path = self.resolve(key)
         held = self._held(key)
         if held is not None:
-            start, stop = _byte_span(len(held), byte_range)
-            return cpu.Buffer.from_bytes(held.to_bytes()[start:stop])
+            offset, nbytes = _byte_span(len(held), byte_range)
+            return cpu.Buffer.from_bytes(held.to_bytes()[offset : offset + nbytes])
         try:
             if _is_gpu_prototype(prototype) and not is_metadata_key(key):
                 return prototype.buffer.from_array_like(_read_device(path, byte_range))
@@ -386,27 +388,45 @@ class GdsStore(LocalStore):
         fails before the flush leaves the metadata on disk as it was: an append
         that fails does not extend the array over chunks that were never written.
         Stores made from this one by ``with_read_only`` share the held keys.
+
+        Calls nest (two writes through one store object): the keys are written when
+        the last of them flushes, and dropped instead if any of them failed.
         """
-        self._deferred = _Deferred()
+        if self._deferred is not None and self._deferred.active:
+            self._deferred.depth += 1
+        else:
+            self._deferred = _Deferred()
 
     def flush_metadata(self) -> None:
         """Write the held metadata (arrays before their groups, consolidated last) and
-        stop holding it."""
-        deferred, self._deferred = self._deferred, None
+        stop holding it (at the end of the outermost deferral).
+
+        An error while writing leaves the keys written so far on disk and drops the
+        rest: the consolidated metadata, written last, is then the old one.
+        """
+        deferred = self._deferred
         if deferred is None:
             return
+        deferred.depth -= 1
+        if deferred.depth > 0:
+            return
+        self._deferred = None
         deferred.active = False
+        if deferred.failed:
+            deferred.keys.clear()
+            return
         order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
-        for key in order:
-            super().set_sync(key, deferred.keys[key])
-        deferred.keys.clear()
+        try:
+            for key in order:
+                super().set_sync(key, deferred.keys[key])
+        finally:
+            deferred.keys.clear()
 
     def discard_metadata(self) -> None:
-        """Drop the held metadata (a write failed) and stop holding it."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            deferred.active = False
-            deferred.keys.clear()
+        """A write failed: drop the held metadata (at the end of the outermost deferral)."""
+        if self._deferred is not None:
+            self._deferred.failed = True
+            self.flush_metadata()
 
     def _held(self, key: str) -> Buffer | None:
         deferred = self._deferred
@@ -416,19 +436,27 @@ class GdsStore(LocalStore):
 
     def _holds(self, key: str) -> bool:
         deferred = self._deferred
-        return deferred is not None and deferred.active and is_metadata_key(key)
+        if deferred is None or not deferred.active or not is_metadata_key(key):
+            return False
+        self._check_writable()
+        return True
 
-    def _forget(self, prefix: str) -> None:
+    def _forget(self, key: str) -> None:
+        """Drop the held ``key`` and the held keys below it (``key`` as a directory)."""
         deferred = self._deferred
-        if deferred is not None and deferred.active:
-            for key in [k for k in deferred.keys if k == prefix or k.startswith(prefix)]:
-                del deferred.keys[key]
+        if deferred is None or not deferred.active or not deferred.keys:
+            return
+        deferred.keys.pop(key, None)
+        for held in self._held_keys(key):
+            del deferred.keys[held]
 
     def _held_keys(self, prefix: str = "") -> list[str]:
+        """Held keys below the directory ``prefix`` (all of them for ``""``)."""
         deferred = self._deferred
         if deferred is None or not deferred.active:
             return []
-        return [k for k in deferred.keys if k.startswith(prefix)]
+        base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
+        return [k for k in deferred.keys if k.startswith(base)]
 
     def with_read_only(self, read_only: bool = False) -> Self:
         clone = super().with_read_only(read_only)
@@ -469,11 +497,12 @@ class GdsStore(LocalStore):
         await super().delete(key)
 
     async def delete_dir(self, prefix: str) -> None:
-        self._forget(prefix.rstrip("/") + "/" if prefix else "")
+        self._forget(prefix.rstrip("/"))
         await super().delete_dir(prefix)
 
     async def clear(self) -> None:
-        self._forget("")
+        if self._deferred is not None:
+            self._deferred.keys.clear()
         await super().clear()
 
     async def exists(self, key: str) -> bool:
@@ -513,7 +542,7 @@ class GdsStore(LocalStore):
         async for name in super().list_dir(prefix):
             seen.add(name)
             yield name
-        for key in self._held_keys(base):
+        for key in self._held_keys(prefix):
             name = key[len(base) :].split("/", 1)[0]
             if name not in seen:
                 seen.add(name)

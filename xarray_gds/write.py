@@ -132,9 +132,9 @@ def to_zarr(
     store.defer_metadata()
     try:
         with use_gds_pipeline(levels):
-            return prepared.to_zarr(store, **kwargs)
+            result = prepared.to_zarr(store, **kwargs)
     except BaseException:
         store.discard_metadata()
         raise
-    finally:
-        store.flush_metadata()
+    store.flush_metadata()
+    return result

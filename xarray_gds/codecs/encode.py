@@ -187,9 +187,15 @@ class ShardEncode:
 
 def empty_rows(flat: Any, fill: Any, xp: Any) -> np.ndarray:
     """Which rows of ``flat`` ``(n, m)`` hold only ``fill`` (NaN fills match NaN), on the host."""
-    same = flat == fill
-    if np.asarray(fill != fill).any():
-        same |= flat != flat
+    fill_value = np.asarray(fill)
+    if flat.dtype.kind == "f" and fill_value.dtype.kind in "fiub" and fill_value == 0:
+        # as zarr-python: -0.0 is not the fill value 0.0 (nor 0.0 the fill -0.0)
+        bits = np.dtype(f"u{flat.dtype.itemsize}")
+        same = flat.view(bits) == int(fill_value.astype(flat.dtype).view(bits))
+    else:
+        same = flat == fill
+        if np.asarray(fill != fill).any():
+            same |= flat != flat
     empty = same.all(axis=1)
     return np.asarray(empty.get() if hasattr(empty, "get") else empty, dtype=bool)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 from collections.abc import Sequence
@@ -40,8 +41,10 @@ def parallel(fn: Any, n: int) -> None:
         for i in range(edges[b], edges[b + 1]):
             fn(i)
 
-    for _ in pool.map(run, range(blocks)):
-        pass
+    futures = [pool.submit(run, b) for b in range(blocks)]
+    concurrent.futures.wait(futures)  # all of them, even when one failed
+    for future in futures:
+        future.result()
 
 
 def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]:

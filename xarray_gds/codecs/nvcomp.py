@@ -581,22 +581,24 @@ def encode(chain: Any, chunks: Any) -> Any:
     offsets = np.arange(n, dtype=np.int64) * stride
     inputs = _batch(data.reshape(-1), offsets, np.full(n, nbytes, dtype=np.int64), stream)
     row = _encode_bound(name, nbytes)
-    for attempt in range(2):
-        row = -(-row // _ALIGN) * _ALIGN
-        out = cp.empty(n * row, dtype=cp.uint8)
-        rows = np.arange(n, dtype=np.int64) * row
-        outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
-        try:
-            result = _codec(name).encode(inputs, out=outputs)
-            break
-        except ValueError as err:
-            stream.synchronize()
-            needed = re.search(r"(\d+) bytes required", str(err))
-            if attempt or needed is None:
-                raise
-            row = int(needed.group(1))
-    sizes = np.asarray(result.buffer_sizes, dtype=np.int64)
-    stream.synchronize()
+    try:
+        for attempt in range(2):
+            row = -(-row // _ALIGN) * _ALIGN
+            out = cp.empty(n * row, dtype=cp.uint8)
+            rows = np.arange(n, dtype=np.int64) * row
+            outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
+            try:
+                result = _codec(name).encode(inputs, out=outputs)
+                break
+            except ValueError as err:
+                stream.synchronize()
+                needed = re.search(r"(\d+) bytes required", str(err))
+                if attempt or needed is None:
+                    raise
+                row = int(needed.group(1))
+        sizes = np.asarray(result.buffer_sizes, dtype=np.int64)
+    finally:
+        stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it
     head, tail = enc.frame_layout(name, sizes)
     framed = sizes + head + tail
     starts = np.concatenate([[0], np.cumsum(framed)[:-1]]).astype(np.int64)
