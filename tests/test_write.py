@@ -35,12 +35,14 @@ def host_writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 ROUND_TRIPS = [
     (3, "zstd"),
     (3, "gzip"),
+    (3, "none"),
     (3, "sharded"),
     (3, "blosc"),
     (3, "big-endian"),
     (2, "zstd"),
     (2, "lz4"),
     (2, "zlib"),
+    (2, "gzip"),
     (2, "blosc"),
     (2, "shuffle-zstd"),
 ]
@@ -58,17 +60,26 @@ def _xarray_round_trip(src: Path, tmp_path: Path, **kwargs: Any) -> xr.Dataset:
     return _open(out)
 
 
+@pytest.mark.parametrize("levels", ["host", "gpu"])
 @pytest.mark.parametrize(("zarr_format", "codec"), ROUND_TRIPS)
 def test_round_trip_keeps_values_and_encoding(
-    tmp_path: Path, store_factory: Callable, device: str, zarr_format: int, codec: str
+    tmp_path: Path,
+    store_factory: Callable,
+    device: str,
+    zarr_format: int,
+    codec: str,
+    levels: str,
 ) -> None:
-    """engine="zarr"-written store -> gds-zarr read -> to_zarr -> engine="zarr" read."""
+    """engine="zarr"-written store -> gds-zarr read -> to_zarr -> engine="zarr" read.
+
+    The stores set levels other than the codecs' defaults: ``levels="gpu"`` sends
+    every codec with a GPU encoder through it, ``"host"`` those at default levels."""
     src = store_factory(zarr_format, codec)
     # xarray + zarr cannot write back a v2 string variable they read (both engines)
     skip = {"drop_variables": ["station"]}
     gds = xr.open_dataset(src, engine="gds-zarr", device=device, **skip)
     out, out_ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
-    xarray_gds.to_zarr(gds, out, zarr_format=zarr_format)
+    xarray_gds.to_zarr(gds, out, zarr_format=zarr_format, levels=levels)
     # the reference: the same round trip with xarray's own reader and writer
     xr.open_dataset(src, engine="zarr", **skip).to_zarr(out_ref, zarr_format=zarr_format)
     ref = xr.open_dataset(out_ref, engine="zarr")
