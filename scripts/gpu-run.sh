@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  XARRAY_GDS_REQUIRE_GPU=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+  XARRAY_GDS_REQUIRE_GPU=1 timeout 540 python3 -m pytest -q -p no:cacheprovider \
     --timeout 120 --tb=short -rf tests > "$out/gpu-tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
   timeout 60 python3 -m xarray_gds.cli demo --device cuda > "$out/demo.txt" 2>&1 || rc=1
