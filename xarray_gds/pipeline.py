@@ -730,16 +730,18 @@ async def _write_batched(
     try:
         for part in _split(batch, per_part):
             stage = xp.empty((len(part), *plan.chunk_shape), dtype=dtype)
+            whole = tuple(slice(0, s) for s in plan.chunk_shape)
+            stored: list[Any] = []  # chunks the write covers only in part: read them
             for j, entry in enumerate(part):
                 if _covers(entry, plan.chunk_shape):
                     continue
                 byte_setter, spec, _, _, complete = entry
                 if complete:  # an edge chunk: the value covers all of it inside the array
                     stage[j] = fill_value_or_default(spec)
-                    continue
-                whole = tuple(slice(0, s) for s in plan.chunk_shape)
-                view = proto.nd_buffer.from_ndarray_like(stage[j : j + 1].reshape(plan.chunk_shape))
-                await pipe.read([(byte_setter, spec, whole, whole, True)], view)
+                else:
+                    stored.append((byte_setter, spec, whole, (j, *whole), True))
+            if stored:  # one batched read (missing chunks come back as the fill value)
+                await pipe.read(stored, proto.nd_buffer.from_ndarray_like(stage))
             write_empty = bool(part[0][1].config.write_empty_chunks)
 
             def encode(
