@@ -289,11 +289,12 @@ def test_whole_chunks_are_tiled_in_one_copy(
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
     ref = xr.open_dataset(path, engine="zarr")
     xr.testing.assert_identical(to_numpy(gds), ref.load())
-    assert tiled == [True]  # all 16 chunks in one reshape
+    # on the GPU all 16 chunks in one reshape; the host copies chunk by chunk on its pool
+    assert tiled == ([True] if device == "cuda" else [])
     tiled.clear()
     fresh = xr.open_dataset(path, engine="gds-zarr", device=device)  # nothing cached
     part = fresh.v.isel(a=slice(0, 4), b=slice(2, 9)).load()  # partial chunks: per chunk
-    assert tiled == [False]
+    assert tiled == ([False] if device == "cuda" else [])
     xr.testing.assert_identical(part.as_numpy(), ref.v.isel(a=slice(0, 4), b=slice(2, 9)))
 
 

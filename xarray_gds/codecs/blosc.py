@@ -46,11 +46,10 @@ into a ``(n_frames, nbytes)`` buffer and calls :func:`unshuffle` (numpy or CuPy)
 
 from __future__ import annotations
 
-import struct
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numcodecs
 import numpy as np
@@ -179,10 +178,67 @@ def _first(bad: np.ndarray) -> int | None:
     return int(where[0]) if where.size else None
 
 
-def _read_i32(frame: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """The little-endian int32 at each offset ``pos`` of ``frame`` (all in bounds)."""
-    quads = frame[pos[:, None] + np.arange(4)]
-    return quads.view("<i4").reshape(-1).astype(np.int64)
+def _buffers(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The frames as places in a few flat byte buffers, to read them all in one gather.
+
+    Frames that are views of one C-contiguous array (such as slices of one arena) share
+    that array's bytes as their buffer; any other frame is a buffer of its own. Returns
+    ``(buffers, which, offset)``: frame ``i`` is ``buffers[which[i]][offset[i]:][:size]``.
+    """
+    buffers: list[np.ndarray] = []
+    found: dict[int, tuple[int, int]] = {}  # id of a base array: its buffer and address
+    which = np.empty(len(arrays), dtype=np.int64)
+    offset = np.empty(len(arrays), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        address = a.__array_interface__["data"][0]
+        entry = found.get(id(root))
+        if entry is None:
+            flat = _flat_bytes(root)
+            entry = (len(buffers), flat.__array_interface__["data"][0])
+            buffers.append(flat)
+            found[id(root)] = entry
+        k, start = entry
+        at = address - start
+        if at < 0 or at + a.size > buffers[k].size:  # not inside its base's bytes
+            k, at = len(buffers), 0
+            buffers.append(a)
+        which[i], offset[i] = k, at
+    return buffers, which, offset
+
+
+def _flat_bytes(root: np.ndarray) -> np.ndarray:
+    """All the bytes of ``root`` as a 1-D uint8 view (an empty array if it has none)."""
+    if root.flags.c_contiguous and not root.dtype.hasobject:
+        try:
+            return root.reshape(-1).view(np.uint8)
+        except (TypeError, ValueError):
+            pass
+    return np.zeros(0, dtype=np.uint8)
+
+
+def _gather(buffers: list[np.ndarray], which: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes at offset ``at`` of buffer ``which``, for each entry:
+    ``(len(at), width)`` uint8 (all in bounds). One gather per buffer involved."""
+    index = at[:, None] + np.arange(width, dtype=np.int64)
+    if len(buffers) == 1:
+        one: np.ndarray = buffers[0][index]
+        return one
+    out = np.empty((at.size, width), dtype=np.uint8)
+    order = np.argsort(which, kind="stable")
+    ids, first = np.unique(which[order], return_index=True)
+    bounds = [*first.tolist(), at.size]
+    for k, lo, hi in zip(ids.tolist(), bounds[:-1], bounds[1:], strict=True):
+        rows = order[lo:hi]
+        out[rows] = buffers[k][index[rows]]
+    return out
+
+
+def _read_i32(buffers: list[np.ndarray], which: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The little-endian int32 at offset ``at`` of buffer ``which``, for each entry."""
+    return _gather(buffers, which, at, 4).view("<i4").reshape(-1).astype(np.int64)
 
 
 def _bad_start(key: str, block: int, nblocks: int, start: int, cbytes: int) -> ChunkDecodeError:
@@ -213,88 +269,117 @@ def _bad_size(key: str, block: int, j: int, pos: int, size: int, cbytes: int) ->
     )
 
 
-#: Frames with at most this many streams are walked with plain Python (about a
-#: microsecond per stream); larger ones with numpy, vectorized over their blocks.
+#: Which damaged stream of a frame is named, when there are several: in a frame of at
+#: most this many streams, the first one block by block (a block's start, then its
+#: streams in order); in a larger one, the first one round by round (every block's start,
+#: then stream 0 of every block, then stream 1, ...), each round checking the size
+#: prefixes before the sizes. (Frames used to be walked in these orders, with plain
+#: Python or with numpy.)
 _SCALAR_MAX_STREAMS = 128
 
-_Columns = tuple[Any, Any, Any, Any]
+_START, _PREFIX, _SIZE = 1, 2, 3  # what a damaged block got wrong first
 
 
-def _walk_scalar(
-    frame: np.ndarray, key: str, nbytes: int, blocksize: int, splits: int
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """``(src, csize, dst, dsize)`` of the streams of a compressed frame, block by block.
+def _walk(
+    buffers: list[np.ndarray],
+    which: np.ndarray,
+    offset: np.ndarray,
+    keys: Sequence[str],
+    nbytes: int,
+    cbytes: np.ndarray,
+    blocksize: np.ndarray,
+    nblocks: np.ndarray,
+    splits: np.ndarray,
+    memcpyed: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(chunk, src, csize, dst, dsize)`` of the streams of a batch of frames whose
+    headers are valid, in order of frame, then block, then stream.
 
-    ``splits`` is the number of streams of a full block (1 when blocks are not split).
+    The blocks of all the compressed frames are walked together, in rounds over the
+    (at most 16) streams of a block, which follow each other: one gather per round. A
+    memcpyed frame is one block of one raw stream, not walked. ``splits`` is the number of
+    streams of a full block of each frame (1 when its blocks are not split). Raises the
+    error that walking the frames one by one would meet first.
     """
-    cbytes = frame.size
-    nblocks = -(-nbytes // blocksize)
-    table_end = HEADER_NBYTES + 4 * nblocks
-    src: list[int] = []
-    csize: list[int] = []
-    dst: list[int] = []
-    dsize: list[int] = []
-    for b, start in enumerate(struct.unpack_from(f"<{nblocks}i", frame, HEADER_NBYTES)):
-        if start < table_end or start > cbytes - 4:
-            raise _bad_start(key, b, nblocks, start, cbytes)
-        size = min(blocksize, nbytes - b * blocksize)
-        k = splits if size == blocksize else 1  # a short last block is never split
-        part = size // k
-        pos = start
-        for j in range(k):
-            if pos + 4 > cbytes:
-                raise _bad_prefix(key, b, j, pos, cbytes)
-            (stream,) = struct.unpack_from("<i", frame, pos)
-            if stream <= 0 or pos + 4 + stream > cbytes:
-                raise _bad_size(key, b, j, pos, stream, cbytes)
-            src.append(pos + 4)
-            csize.append(stream)
-            dst.append(b * blocksize + j * part)
-            dsize.append(part)
-            pos += 4 + stream
-    return src, csize, dst, dsize
+    n = cbytes.size
+    counts = np.where(memcpyed, 1, nblocks)
+    owner = np.repeat(np.arange(n, dtype=np.int64), counts)  # per block: its frame
+    block = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    walked = ~memcpyed[owner]
+    bs, frame_end = blocksize[owner], cbytes[owner]
+    size = np.where(walked, np.minimum(bs, nbytes - block * bs), nbytes)
+    per_block = np.where(walked & (size == bs), splits[owner], 1)  # a short last block: 1
+    where, base = which[owner], offset[owner]
 
-
-def _walk_vectorized(
-    frame: np.ndarray, key: str, nbytes: int, blocksize: int, splits: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Same as :func:`_walk_scalar`, vectorized over the blocks of the frame; the loop
-    runs over the (at most 16) streams of a block, which follow each other."""
-    cbytes = frame.size
-    nblocks = -(-nbytes // blocksize)
-    table_end = HEADER_NBYTES + 4 * nblocks
-    starts = frame[HEADER_NBYTES:table_end].view("<i4").astype(np.int64)
-    b = _first((starts < table_end) | (starts > cbytes - 4))
-    if b is not None:
-        raise _bad_start(key, b, nblocks, int(starts[b]), cbytes)
-    last = nbytes - (nblocks - 1) * blocksize  # size of the last block
-    per_block = np.full(nblocks, splits, dtype=np.int64)
-    if last < blocksize:
-        per_block[-1] = 1  # a short last block is never split
-    block_nbytes = np.full(nblocks, blocksize, dtype=np.int64)
-    block_nbytes[-1] = last
-    part = block_nbytes // per_block
-    width = int(per_block.max())
-    src = np.zeros((nblocks, width), dtype=np.int64)
-    csize = np.zeros((nblocks, width), dtype=np.int64)
-    pos = starts
+    rows = np.flatnonzero(walked)
+    pos = np.full(owner.size, HEADER_NBYTES, dtype=np.int64)  # of the next size prefix
+    pos[rows] = _read_i32(buffers, where[rows], base[rows] + HEADER_NBYTES + 4 * block[rows])
+    table_end = HEADER_NBYTES + 4 * nblocks[owner]
+    failed = np.zeros(owner.size, dtype=np.int8)  # 0, or what the block got wrong first
+    stage = np.zeros(owner.size, dtype=np.int64)  # the stream it was at
+    declared = np.zeros(owner.size, dtype=np.int64)  # the size that stream declares
+    failed[walked & ((pos < table_end) | (pos > frame_end - 4))] = _START
+    width = int(per_block.max()) if owner.size else 0
+    src = np.zeros((owner.size, width), dtype=np.int64)
+    csize = np.zeros((owner.size, width), dtype=np.int64)
+    if width:
+        src[~walked, 0] = HEADER_NBYTES
+        csize[~walked, 0] = nbytes
     for j in range(width):
-        rows = np.flatnonzero(per_block > j)
+        rows = np.flatnonzero(walked & (failed == 0) & (per_block > j))
+        if not rows.size:
+            break
         p = pos[rows]
-        b = _first(p + 4 > cbytes)
-        if b is not None:
-            raise _bad_prefix(key, int(rows[b]), j, int(p[b]), cbytes)
-        size = _read_i32(frame, p)
-        b = _first((size <= 0) | (p + 4 + size > cbytes))
-        if b is not None:
-            raise _bad_size(key, int(rows[b]), j, int(p[b]), int(size[b]), cbytes)
+        over = p + 4 > frame_end[rows]  # the size prefix runs past the end
+        failed[rows[over]], stage[rows[over]] = _PREFIX, j
+        rows, p = rows[~over], p[~over]
+        got = _read_i32(buffers, where[rows], base[rows] + p)
+        bad = (got <= 0) | (p + 4 + got > frame_end[rows])
+        failed[rows[bad]], stage[rows[bad]], declared[rows[bad]] = _SIZE, j, got[bad]
+        rows, p, got = rows[~bad], p[~bad], got[~bad]
         src[rows, j] = p + 4
-        csize[rows, j] = size
-        pos[rows] = p + 4 + size
+        csize[rows, j] = got
+        pos[rows] = p + 4 + got
+    if failed.any():
+        _raise_first(keys, failed, stage, declared, owner, block, pos, nblocks, splits, cbytes)
+
     mask = np.arange(width) < per_block[:, None]
-    dst = np.arange(nblocks, dtype=np.int64)[:, None] * blocksize + np.arange(width) * part[:, None]
-    dsize = np.broadcast_to(part[:, None], (nblocks, width))
-    return src[mask], csize[mask], dst[mask], dsize[mask]
+    part = size // per_block
+    dst = (block * bs)[:, None] + np.arange(width, dtype=np.int64) * part[:, None]
+    dsize = np.broadcast_to(part[:, None], mask.shape)
+    return np.repeat(owner, per_block), src[mask], csize[mask], dst[mask], dsize[mask]
+
+
+def _raise_first(
+    keys: Sequence[str],
+    failed: np.ndarray,
+    stage: np.ndarray,
+    declared: np.ndarray,
+    owner: np.ndarray,
+    block: np.ndarray,
+    pos: np.ndarray,
+    nblocks: np.ndarray,
+    splits: np.ndarray,
+    cbytes: np.ndarray,
+) -> NoReturn:
+    """Raise the error of the first damaged frame, naming the block that a walk of its
+    blocks meets first (see ``_SCALAR_MAX_STREAMS``); the arguments are per block, as in
+    :func:`_walk`, except ``nblocks``, ``splits`` and ``cbytes`` (per frame)."""
+    rows = np.flatnonzero(failed)
+    i = int(owner[rows].min())
+    rows = rows[owner[rows] == i]  # in block order
+    if nblocks[i] * splits[i] <= _SCALAR_MAX_STREAMS:
+        r = int(rows[0])
+    else:  # every block start, then the size prefixes of stream 0, its sizes, stream 1, ...
+        kind = failed[rows].astype(np.int64)
+        rounds = np.where(kind == _START, 0, 2 * stage[rows] + kind - 1)
+        r = int(rows[np.argmin(rounds)])
+    key, b, at, frame_nbytes = keys[i], int(block[r]), int(pos[r]), int(cbytes[i])
+    if failed[r] == _START:
+        raise _bad_start(key, b, int(nblocks[i]), at, frame_nbytes)
+    if failed[r] == _PREFIX:
+        raise _bad_prefix(key, b, int(stage[r]), at, frame_nbytes)
+    raise _bad_size(key, b, int(stage[r]), at, int(declared[r]), frame_nbytes)
 
 
 def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> BloscStreams:
@@ -335,7 +420,8 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
         raise ChunkDecodeError(
             keys[i], _CODEC, f"{int(lengths[i])} bytes is too short for a Blosc header (16 bytes)"
         )
-    heads = np.stack([a[:HEADER_NBYTES] for a in arrays]) if n else np.zeros((0, 16), np.uint8)
+    buffers, which, offset = _buffers(arrays)
+    heads = _gather(buffers, which, offset, HEADER_NBYTES)
     version, versionlz = heads[:, 0].astype(np.int64), heads[:, 1].astype(np.int64)
     flags, typesize = heads[:, 2].astype(np.int64), heads[:, 3].astype(np.int64)
     words = np.ascontiguousarray(heads[:, 4:16]).view("<i4").astype(np.int64)
@@ -385,7 +471,6 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
     )
     cname = tuple(CNAMES[c] for c in code)
 
-    parts: list[tuple[np.ndarray, ...]] = []
     if nbytes > 0:
         fail(
             (blocksize <= 0) | (blocksize > nbytes),
@@ -417,33 +502,10 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
                 "not a multiple of the typesize: the streams do not add up to the block"
             ),
         )
-        pending: tuple[list[int], ...] = ([], [], [], [], [])  # small frames, in order
-
-        def flush() -> None:
-            if pending[0]:
-                parts.append(tuple(np.array(col, dtype=np.int64) for col in pending))
-                for col in pending:
-                    col.clear()
-
         nsplits = np.where(split, typesize, 1)
-        for i in range(n):
-            if memcpyed[i]:
-                walked: _Columns = ([HEADER_NBYTES], [nbytes], [0], [nbytes])
-            else:
-                args = (arrays[i], keys[i], nbytes, int(blocksize[i]), int(nsplits[i]))
-                if nblocks[i] * nsplits[i] <= _SCALAR_MAX_STREAMS:
-                    walked = _walk_scalar(*args)
-                else:
-                    flush()
-                    src, csize, dst, dsize = _walk_vectorized(*args)
-                    parts.append((np.full(src.size, i, dtype=np.int64), src, csize, dst, dsize))
-                    continue
-            pending[0].extend([i] * len(walked[0]))
-            for col, values in zip(pending[1:], walked, strict=True):
-                col.extend(values)
-        flush()
-    if parts:
-        chunk, src, csize, dst, dsize = (np.concatenate(col) for col in zip(*parts, strict=True))
+        chunk, src, csize, dst, dsize = _walk(
+            buffers, which, offset, keys, nbytes, lengths, blocksize, nblocks, nsplits, memcpyed
+        )
     else:
         empty = np.zeros(0, dtype=np.int64)
         chunk, src, csize, dst, dsize = empty, empty, empty, empty, empty
