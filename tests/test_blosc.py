@@ -4,6 +4,7 @@ bit for bit against numcodecs (c-blosc 1.x)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -639,6 +640,145 @@ def test_sparse_tables_damaged(frame: tuple[np.ndarray, int]):
             else:
                 got = parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
                 _assert_same_streams(got, want)
+
+
+# --- many frames at once ---------------------------------------------------------------------
+
+
+def _batch(nbytes: int, count: int) -> list[np.ndarray]:
+    """``count`` compressed lz4 frames of 65536-byte blocks split in 4 streams (and a
+    short last block), of different data."""
+    codec = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=16384, typesize=4)
+    frames = [_encode(codec, _data("smooth", nbytes) + np.uint8(i)) for i in range(count)]
+    for f in frames:  # c-blosc enlarges the blocks it splits to 64 KiB
+        assert not f[2] & 0x12 and int(f[8:12].view("<i4")[0]) == 65536
+    return frames
+
+
+def test_frames_in_any_form():
+    """Frames as separate arrays, bytes, views of one arena (in any order, or of a
+    non-uint8 array), or views of arrays whose bytes are not contiguous: the same streams."""
+    nbytes = 200_000
+    frames = [*_batch(nbytes, 4), *(_encode(c, _data("smooth", nbytes)) for c in _MIXED)]
+    keys = [f"f/{i}" for i in range(len(frames))]
+    want = parse_frames([f.copy() for f in frames], keys, nbytes)
+    _check_layout(want, frames)
+    arena, offsets, sizes, _ = _lay_out(frames)
+    views = _views(arena, offsets, sizes)
+    wide = np.zeros(-(-arena.size // 8), dtype=np.float64)  # the arena's bytes in floats
+    wide.view(np.uint8)[: arena.size] = arena
+    rows = np.zeros((len(frames), int(sizes.max()) + 8), dtype=np.uint8, order="F")
+    for i, f in enumerate(frames):
+        rows[i, 3 : 3 + f.size] = f
+    columns = np.asfortranarray(rows.T)  # one frame per (contiguous) column
+    forms = {
+        "bytes": [f.tobytes() for f in frames],
+        "bytearray": [bytearray(f.tobytes()) for f in frames],
+        "memoryview": [memoryview(f.tobytes()) for f in frames],
+        "views": views,
+        "views of floats": _views(wide.view(np.uint8), offsets, sizes),
+        "columns": [columns[3 : 3 + f.size, i] for i, f in enumerate(frames)],
+        "rows": [rows[i, 3 : 3 + f.size] for i, f in enumerate(frames)],  # copied
+        "mixed": [
+            v if i % 2 else f.tobytes() for i, (v, f) in enumerate(zip(views, frames, strict=True))
+        ],
+    }
+    for form in forms.values():
+        _assert_same_streams(parse_frames(form, keys, nbytes), want)
+    backwards = [f.copy() for f in frames[::-1]]  # the last frame of the arena first
+    _assert_same_streams(
+        parse_frames(views[::-1], keys, nbytes), parse_frames(backwards, keys, nbytes)
+    )
+
+
+def _stream_at(frame: np.ndarray, nbytes: int, block: int, j: int) -> int:
+    """Where the size prefix of stream ``j`` of block ``block`` of ``frame`` is."""
+    streams = parse_frames([frame], ["x"], nbytes)
+    split = np.flatnonzero(streams.dst == block * int(streams.blocksize[0]))[0] + j
+    return int(streams.src[split]) - 4
+
+
+@pytest.mark.parametrize("arena", [True, False])
+def test_damaged_frames_in_a_large_batch(arena: bool):
+    """Several damaged frames among many: the first one is named, and the stream walk
+    comes after every frame's header is checked."""
+    nbytes = 1_000_000  # 16 blocks, 61 streams: the damage is named block by block
+    frames = _batch(nbytes, 40)
+    keys = [f"big/0.{i}" for i in range(len(frames))]
+
+    def check(batch: list[np.ndarray], key: str, reason: str) -> None:
+        if arena:
+            host, offsets, sizes, _ = _lay_out(batch)
+            batch = _views(host, offsets, sizes)
+        with pytest.raises(ChunkDecodeError) as info:
+            parse_frames(batch, keys, nbytes)
+        assert info.value.key == key
+        assert str(info.value) == str(ChunkDecodeError(key, "blosc", reason))
+
+    f17, f30 = frames[17], frames[30]
+    pos17, pos30 = _stream_at(f17, nbytes, 2, 1), _stream_at(f30, nbytes, 0, 0)
+    batch = list(frames)
+    batch[17] = _set_i32(f17, pos17, -5)  # stream 1 of block 2
+    batch[30] = _set_i32(f30, pos30, f30.size)
+    size17 = f"{f17.size}-byte frame"
+    check(
+        batch,
+        keys[17],
+        f"stream 1 of block 2 declares -5 bytes at byte {pos17 + 4}, which "
+        f"does not fit in the {size17}",
+    )
+    batch[17] = _set_i32(batch[17], 16 + 4 * 3, 8)  # block 3 starts in the table: later
+    check(
+        batch,
+        keys[17],
+        f"stream 1 of block 2 declares -5 bytes at byte {pos17 + 4}, which "
+        f"does not fit in the {size17}",
+    )
+    batch[17] = _set_i32(batch[17], 16 + 4 * 1, -1)  # block 1 starts outside: first
+    check(
+        batch,
+        keys[17],
+        f"block 1 of 16 starts at byte -1, outside the 80..{f17.size - 4} "
+        f"range of stream data in this {size17}",
+    )
+    batch[30] = _set_i32(f30, 4, nbytes + 1)  # a later header: checked before any walk
+    check(batch, keys[30], f"header declares {nbytes + 1} decoded bytes, expected {nbytes}")
+    batch[30] = f30
+    f3 = frames[3]  # an earlier frame whose last block starts too late
+    batch[3] = _set_i32(f3, 16 + 4 * 15, f3.size - 3)
+    check(
+        batch,
+        keys[3],
+        f"block 15 of 16 starts at byte {f3.size - 3}, outside the 80..{f3.size - 4} range of "
+        f"stream data in this {f3.size}-byte frame",
+    )
+
+
+def test_damaged_frame_with_many_streams():
+    """In a frame of more than 128 streams, the damage named first is the first of the
+    block starts, then of the streams 0 of every block, then of the streams 1, ..."""
+    nbytes = 3_000_000  # 46 blocks, 181 streams
+    good, f = _batch(nbytes, 2)
+    keys = ["many/0", "many/1"]
+    pos = _stream_at(f, nbytes, 1, 2)
+    bad = _set_i32(f, pos, 0)  # stream 2 of block 1
+    size = f"{f.size}-byte frame"
+    stream = (
+        f"stream 2 of block 1 declares 0 bytes at byte {pos + 4}, which does not fit in the {size}"
+    )
+    for batch in ([good, bad], [good.tobytes(), bad.tobytes()]):
+        with pytest.raises(ChunkDecodeError, match=re.escape(stream)):
+            parse_frames(batch, keys, nbytes)
+    late = _stream_at(f, nbytes, 40, 1)
+    worse = _set_i32(bad, late, f.size)  # stream 1 of block 40: an earlier round
+    reason = f"stream 1 of block 40 declares {f.size} bytes at byte {late + 4}"
+    with pytest.raises(ChunkDecodeError, match=re.escape(reason)):
+        parse_frames([good, worse], keys, nbytes)
+    worst = _set_i32(worse, 16 + 4 * 30, 17)  # block 30 starts in the table: first of all
+    reason = f"block 30 of 46 starts at byte 17, outside the 200..{f.size - 4} range"
+    with pytest.raises(ChunkDecodeError, match=re.escape(reason)) as info:
+        parse_frames([good, worst], keys, nbytes)
+    assert info.value.key == "many/1"
 
 
 # -- the device decoder (nvCOMP streams, CuPy unshuffle) against numcodecs -----------

@@ -49,6 +49,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, NoReturn
 
 import numcodecs
@@ -77,6 +78,7 @@ _SHUFFLE, _MEMCPYED, _BITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x0
 _MAX_SPLITS = 16  # c-blosc's MAX_SPLITS
 _MIN_SPLIT_ELEMENTS = 128  # c-blosc's MIN_BUFFERSIZE, as used by the split rule
 _BIT_PASS_NBYTES = 1 << 25  # bit-shuffled bytes undone per pass (8x that in temporaries)
+_U8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,6 +165,8 @@ class BloscStreams:
 
 
 def _as_frame(frame: Any) -> np.ndarray:
+    if type(frame) is np.ndarray and frame.dtype == _U8 and frame.ndim == 1:
+        return np.ascontiguousarray(frame)  # the usual case, quickly
     if isinstance(frame, bytes | bytearray | memoryview):
         return np.frombuffer(frame, dtype=np.uint8)
     arr = np.asarray(frame)
@@ -179,34 +183,38 @@ def _first(bad: np.ndarray) -> int | None:
 
 
 def _buffers(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """The frames as places in a few flat byte buffers, to read them all in one gather.
+    """The frames as places in a few flat buffers, to read them all with a gather or a few.
 
     Frames that are views of one C-contiguous array (such as slices of one arena) share
     that array's bytes as their buffer; any other frame is a buffer of its own. Returns
-    ``(buffers, which, offset)``: frame ``i`` is ``buffers[which[i]][offset[i]:][:size]``.
+    ``(words, which, offset)``: frame ``i`` starts at byte ``offset[i]`` of buffer
+    ``which[i]``, and ``words[k][o]`` is the little-endian int32 at byte ``o`` of buffer
+    ``k`` (a view of its bytes, with a stride of one byte).
     """
-    buffers: list[np.ndarray] = []
+    words: list[np.ndarray] = []
+    sizes: list[int] = []
+
+    def add(flat: np.ndarray) -> tuple[int, int]:
+        words.append(_words(flat))
+        sizes.append(flat.size)
+        return len(words) - 1, flat.__array_interface__["data"][0]
+
     found: dict[int, tuple[int, int]] = {}  # id of a base array: its buffer and address
-    which = np.empty(len(arrays), dtype=np.int64)
-    offset = np.empty(len(arrays), dtype=np.int64)
-    for i, a in enumerate(arrays):
+    which: list[int] = []
+    offset: list[int] = []
+    for a in arrays:
         root = a
         while isinstance(root.base, np.ndarray):
             root = root.base
-        address = a.__array_interface__["data"][0]
         entry = found.get(id(root))
         if entry is None:
-            flat = _flat_bytes(root)
-            entry = (len(buffers), flat.__array_interface__["data"][0])
-            buffers.append(flat)
-            found[id(root)] = entry
-        k, start = entry
-        at = address - start
-        if at < 0 or at + a.size > buffers[k].size:  # not inside its base's bytes
-            k, at = len(buffers), 0
-            buffers.append(a)
-        which[i], offset[i] = k, at
-    return buffers, which, offset
+            entry = found[id(root)] = add(_flat_bytes(root))
+        k, at = entry[0], a.__array_interface__["data"][0] - entry[1]
+        if not 0 <= at <= sizes[k] - a.size:  # not inside its base's bytes: on its own
+            k, at = add(a)[0], 0
+        which.append(k)
+        offset.append(at)
+    return words, np.array(which, dtype=np.int64), np.array(offset, dtype=np.int64)
 
 
 def _flat_bytes(root: np.ndarray) -> np.ndarray:
@@ -219,26 +227,25 @@ def _flat_bytes(root: np.ndarray) -> np.ndarray:
     return np.zeros(0, dtype=np.uint8)
 
 
-def _gather(buffers: list[np.ndarray], which: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
-    """The ``width`` bytes at offset ``at`` of buffer ``which``, for each entry:
-    ``(len(at), width)`` uint8 (all in bounds). One gather per buffer involved."""
-    index = at[:, None] + np.arange(width, dtype=np.int64)
-    if len(buffers) == 1:
-        one: np.ndarray = buffers[0][index]
-        return one
-    out = np.empty((at.size, width), dtype=np.uint8)
-    order = np.argsort(which, kind="stable")
-    ids, first = np.unique(which[order], return_index=True)
-    bounds = [*first.tolist(), at.size]
-    for k, lo, hi in zip(ids.tolist(), bounds[:-1], bounds[1:], strict=True):
-        rows = order[lo:hi]
-        out[rows] = buffers[k][index[rows]]
+def _words(flat: np.ndarray) -> np.ndarray:
+    """The int32 at every byte offset of the 1-D uint8 array ``flat`` (not a copy)."""
+    return np.ndarray(shape=(max(flat.size - 3, 0),), dtype="<i4", buffer=flat, strides=(1,))
+
+
+def _read_i32(words: list[np.ndarray], which: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The int32 at byte ``at`` of buffer ``which`` (see :func:`_buffers`), for each entry
+    (all in bounds), as int64: one gather per buffer involved."""
+    if len(words) == 1:
+        return words[0][at].astype(np.int64)
+    out = np.empty(at.size, dtype=np.int64)
+    if at.size:
+        order = None if np.all(which[1:] >= which[:-1]) else np.argsort(which, kind="stable")
+        ids = which if order is None else which[order]
+        bounds = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist(), at.size]
+        for lo, hi in pairwise(bounds):
+            rows = slice(lo, hi) if order is None else order[lo:hi]
+            out[rows] = words[int(ids[lo])][at[rows]]
     return out
-
-
-def _read_i32(buffers: list[np.ndarray], which: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The little-endian int32 at offset ``at`` of buffer ``which``, for each entry."""
-    return _gather(buffers, which, at, 4).view("<i4").reshape(-1).astype(np.int64)
 
 
 def _bad_start(key: str, block: int, nblocks: int, start: int, cbytes: int) -> ChunkDecodeError:
@@ -281,7 +288,7 @@ _START, _PREFIX, _SIZE = 1, 2, 3  # what a damaged block got wrong first
 
 
 def _walk(
-    buffers: list[np.ndarray],
+    words: list[np.ndarray],
     which: np.ndarray,
     offset: np.ndarray,
     keys: Sequence[str],
@@ -313,7 +320,7 @@ def _walk(
 
     rows = np.flatnonzero(walked)
     pos = np.full(owner.size, HEADER_NBYTES, dtype=np.int64)  # of the next size prefix
-    pos[rows] = _read_i32(buffers, where[rows], base[rows] + HEADER_NBYTES + 4 * block[rows])
+    pos[rows] = _read_i32(words, where[rows], base[rows] + HEADER_NBYTES + 4 * block[rows])
     table_end = HEADER_NBYTES + 4 * nblocks[owner]
     failed = np.zeros(owner.size, dtype=np.int8)  # 0, or what the block got wrong first
     stage = np.zeros(owner.size, dtype=np.int64)  # the stream it was at
@@ -333,7 +340,7 @@ def _walk(
         over = p + 4 > frame_end[rows]  # the size prefix runs past the end
         failed[rows[over]], stage[rows[over]] = _PREFIX, j
         rows, p = rows[~over], p[~over]
-        got = _read_i32(buffers, where[rows], base[rows] + p)
+        got = _read_i32(words, where[rows], base[rows] + p)
         bad = (got <= 0) | (p + 4 + got > frame_end[rows])
         failed[rows[bad]], stage[rows[bad]], declared[rows[bad]] = _SIZE, j, got[bad]
         rows, p, got = rows[~bad], p[~bad], got[~bad]
@@ -420,12 +427,12 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
         raise ChunkDecodeError(
             keys[i], _CODEC, f"{int(lengths[i])} bytes is too short for a Blosc header (16 bytes)"
         )
-    buffers, which, offset = _buffers(arrays)
-    heads = _gather(buffers, which, offset, HEADER_NBYTES)
-    version, versionlz = heads[:, 0].astype(np.int64), heads[:, 1].astype(np.int64)
-    flags, typesize = heads[:, 2].astype(np.int64), heads[:, 3].astype(np.int64)
-    words = np.ascontiguousarray(heads[:, 4:16]).view("<i4").astype(np.int64)
-    h_nbytes, blocksize, cbytes = words[:, 0], words[:, 1], words[:, 2]
+    words, which, offset = _buffers(arrays)
+    head = _read_i32(words, np.repeat(which, 4), (offset[:, None] + np.arange(0, 16, 4)).ravel())
+    head = head.reshape(n, 4)
+    version, versionlz = head[:, 0] & 0xFF, (head[:, 0] >> 8) & 0xFF
+    flags, typesize = (head[:, 0] >> 16) & 0xFF, (head[:, 0] >> 24) & 0xFF
+    h_nbytes, blocksize, cbytes = head[:, 1], head[:, 2], head[:, 3]
     code = flags >> 5
 
     def fail(bad: np.ndarray, reason: Callable[[int], str]) -> None:
@@ -504,7 +511,7 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
         )
         nsplits = np.where(split, typesize, 1)
         chunk, src, csize, dst, dsize = _walk(
-            buffers, which, offset, keys, nbytes, lengths, blocksize, nblocks, nsplits, memcpyed
+            words, which, offset, keys, nbytes, lengths, blocksize, nblocks, nsplits, memcpyed
         )
     else:
         empty = np.zeros(0, dtype=np.int64)
