@@ -51,7 +51,8 @@ def test_demo_cpu(
     rc = cli.main(["demo", "--device", "cpu", "--zarr-format", str(zarr_format)])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert out.rstrip().endswith("identical: yes")
+    assert "\nidentical: yes" in out  # the read
+    assert out.rstrip().endswith("write round trip identical: yes")  # the write
     assert f"Zarr v{zarr_format}" in out
     assert "device:     cpu" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
