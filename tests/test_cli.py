@@ -370,3 +370,20 @@ def test_console_script(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "nope.zarr" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.gpu
+def test_peak_device_bytes_counts_what_the_load_allocates() -> None:
+    cp = pytest.importorskip("cupy")
+    from xarray_gds import bench
+
+    def allocate() -> object:
+        scratch = cp.empty(10 << 20, dtype=cp.uint8)
+        kept = cp.empty(30 << 20, dtype=cp.uint8)
+        del scratch
+        return kept
+
+    peak = bench.peak_device_bytes(allocate)
+    assert (40 << 20) <= peak < (41 << 20)
+    # the default allocator is back
+    assert cp.cuda.get_allocator() == cp.get_default_memory_pool().malloc

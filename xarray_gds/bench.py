@@ -215,6 +215,74 @@ def _write_contenders(path: Path) -> dict[str, Callable[[], Any]]:
     return {"gds-zarr": ours, "zarr": theirs}
 
 
+def peak_device_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes in use in CuPy's default memory pool while ``fn`` runs, above what was
+    in use before (what ``fn`` returns, e.g. the loaded array, counts). Every device
+    buffer of the engine comes from that pool; nvCOMP's own scratch space does not."""
+    cp = _device.cupy()
+    pool = cp.get_default_memory_pool()
+    base = pool.used_bytes()
+    peak = base
+
+    def malloc(size: int) -> Any:
+        nonlocal peak
+        memory = pool.malloc(size)
+        peak = max(peak, pool.used_bytes())
+        return memory
+
+    cp.cuda.set_allocator(malloc)
+    try:
+        kept = fn()
+        _sync()
+    finally:
+        cp.cuda.set_allocator(pool.malloc)
+    del kept
+    return peak - base
+
+
+#: peak device bytes per contender of the ``memory`` case, worst over its runs
+_PEAKS: dict[str, int] = {}
+
+#: batch budgets (``XARRAY_GDS_BATCH_BYTES``) the ``memory`` case loads with
+_MEMORY_BUDGETS = {
+    "gds-zarr": None,
+    "gds-zarr batch 1 GiB": 1 << 30,
+    "gds-zarr batch 256 MiB": 256 << 20,
+}
+
+
+def _memory_contenders(path: Path) -> dict[str, Callable[[], Any]]:
+    """Loads of the zstd-4MB data with several batch budgets, each tracking its peak."""
+
+    def load(label: str, budget: int | None) -> Callable[[], Any]:
+        def run() -> None:
+            old = os.environ.pop("XARRAY_GDS_BATCH_BYTES", None)
+            if budget is not None:
+                os.environ["XARRAY_GDS_BATCH_BYTES"] = str(budget)
+            try:
+                peak = peak_device_bytes(lambda: _load_gds(path, "cuda"))
+            finally:
+                os.environ.pop("XARRAY_GDS_BATCH_BYTES", None)
+                if old is not None:
+                    os.environ["XARRAY_GDS_BATCH_BYTES"] = old
+            _PEAKS[label] = max(_PEAKS.get(label, 0), peak)
+
+        return run
+
+    _PEAKS.clear()
+    loads = {label: load(label, budget) for label, budget in _MEMORY_BUDGETS.items()}
+    return {**loads, "zarr": lambda: _load_zarr(path, True)}
+
+
+def _memory_note(result: Result) -> str:
+    """Peak device memory of each load, as a multiple of the decoded output."""
+    parts = [
+        f"{label}: peak {peak / 1e9:.2f} GB = output x {peak / result.nbytes:.2f}"
+        for label, peak in _PEAKS.items()
+    ]
+    return "; ".join(parts)
+
+
 def _profile(fn: Callable[[], Any], path: Path) -> None:
     """One more run of ``fn`` under cProfile; the 40 costliest functions (own time, then
     cumulative time) go to ``path`` as text."""
@@ -290,6 +358,8 @@ def run(
                 rep = spec.get("repeat", repeat)
                 warm_all = spec.get("warm_all", True)
                 results.append(_case(name, path, rep, contenders, warm_all, n_stores, profile_dir))
+                if "note" in spec:
+                    results[-1].note = spec["note"](results[-1])
             if on_result is not None:
                 on_result(results[-1])
             for p in [*_mf_paths(path, n_stores), path.with_name(f"{path.stem}-written.zarr")]:
@@ -345,6 +415,14 @@ CASES: dict[str, dict[str, Any]] = {
         "store": {"chunk_bytes": 4 << 20},
         "contenders": _write_contenders,
     },
+    "memory-zstd-4MB": {
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _memory_contenders,
+        "note": _memory_note,
+    },
     "small-chunks": {
         "gpu": True,
         "repeat": 1,
@@ -391,6 +469,8 @@ def format_table(results: list[Result]) -> str:
                 f"| {r.case} | {r.nbytes / 1e9:.2f} GB | {r.n_chunks} | {name} | {sec:.3f} | "
                 f"{r.rate(name):.2f} | {r.ratio(name):.2f}x |"
             )
+        if r.note:
+            lines.append(f"| {r.case} | | | {r.note} | | | |")
         if r.case.endswith("small-chunks") and "gds-zarr" in r.seconds:
             per_chunk = r.seconds["gds-zarr"] / r.n_chunks * 1e6
             lines.append(f"| {r.case} | | | gds-zarr per chunk | {per_chunk:.1f} us | | |")
