@@ -74,11 +74,23 @@ def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:
-        with (
-            contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError),
-            open(paths[i], "rb") as f,
-        ):
-            out[i] = np.frombuffer(f.read(), dtype=np.uint8)
+        # os-level calls: half the cost of a Python file object for small chunks
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                info = os.fstat(fd)
+                if stat.S_ISDIR(info.st_mode):
+                    return
+                data = np.empty(info.st_size, dtype=np.uint8)
+                got = 0
+                while got < data.size:  # one call reads at most about 2 GiB
+                    n = os.preadv(fd, [data[got:]], got)
+                    if not n:
+                        break
+                    got += n
+                out[i] = data[:got]
+            finally:
+                os.close(fd)
 
     parallel(one, len(paths))
     return out
