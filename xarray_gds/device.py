@@ -159,3 +159,11 @@ def buffer_prototype(device: Device) -> Any:
 def is_device_array(x: Any) -> bool:
     """True for arrays in GPU memory (anything with ``__cuda_array_interface__``)."""
     return hasattr(x, "__cuda_array_interface__")
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``x`` as a host numpy array (copied from the GPU when it is a CuPy array)."""
+    if is_device_array(x):
+        host: np.ndarray = x.get()
+        return host
+    return np.asarray(x)

@@ -255,30 +255,25 @@ class GdsCodecPipeline(CodecPipeline):
         return results
 
     def _warn_host_encode(self, key: str, why: str) -> None:
-        name = _array_name(key, self._chunk_key_parts)
-        if ("encode", name) in _warned:
-            return
-        _warned.add(("encode", name))
-        codecs = ", ".join(getattr(self._chain, "codecs", ()) or ())
-        warnings.warn(
-            f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are "
-            "copied to the host and encoded there by zarr-python",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        self._warn_host(key, "encode", why, "copied to the host and encoded there by zarr-python")
 
     def _warn_host_decode(self, key: str, chain: Any) -> None:
-        name = _array_name(key, self._chunk_key_parts)
-        if name in _warned:
-            return
-        _warned.add(name)
-        codecs = ", ".join(chain.codecs)
         why = chain.reason if isinstance(chain, Unsupported) else chain.host_only
+        self._warn_host(
+            key, "decode", why, "decoded on the host by zarr-python and then copied to the GPU"
+        )
+
+    def _warn_host(self, key: str, step: str, why: str, route: str) -> None:
+        """One RuntimeWarning per array and step: its codecs, why and what happens."""
+        name = _array_name(key, self._chunk_key_parts)
+        if (step, name) in _warned:
+            return
+        _warned.add((step, name))
+        codecs = ", ".join(getattr(self._chain, "codecs", ()) or ())
         warnings.warn(
-            f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are "
-            "decoded on the host by zarr-python and then copied to the GPU",
+            f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are {route}",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=4,
         )
 
 

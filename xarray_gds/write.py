@@ -32,18 +32,17 @@ __all__ = ["for_device_write", "to_zarr"]
 _LEVELS = ("host", "gpu")
 
 
-def _one_block(var: xr.Variable) -> xr.Variable:
-    """A device variable as a dask array: CuPy values as one block, lazily loaded
-    engine variables as one block read on the device when computed."""
-    chunks = {d: -1 for d in var.dims}
+def _one_block(var: xr.Variable) -> Any:
+    """A device variable's values as a one-block dask array: CuPy values as they are,
+    lazily loaded engine variables read on the device when the block is computed."""
     data: Any = var._data
     if _device.is_device_array(data):
         import dask.array as da
 
         # name=False: a random name; dask would otherwise hash the values to make one
-        block = da.from_array(data, chunks=data.shape, asarray=False, name=False)
-        return var.copy(data=block, deep=False)
-    return var.chunk(chunks, chunked_array_type=GdsDaskManager())
+        return da.from_array(data, chunks=data.shape, asarray=False, name=False)
+    chunks = {d: -1 for d in var.dims}
+    return var.chunk(chunks, chunked_array_type=GdsDaskManager()).data
 
 
 def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
@@ -57,22 +56,15 @@ def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
         variables of its own.
     """
     user_dask = False
-    variables: dict[Any, xr.Variable] = {}
+    out = ds.copy(deep=False)
     for name, var in ds.variables.items():
         data: Any = var._data
         if name in ds.indexes or var.ndim == 0:
-            variables[name] = var
-        elif hasattr(data, "dask") and hasattr(data, "map_blocks"):
+            continue
+        if hasattr(data, "dask") and hasattr(data, "map_blocks"):
             user_dask = True
-            variables[name] = var
         elif device_of(data) == "cuda":
-            variables[name] = _one_block(var)
-        else:
-            variables[name] = var
-    out = ds.copy(deep=False)
-    for name, var in variables.items():
-        if var is not ds.variables[name]:
-            out[name] = out[name].copy(data=var.data, deep=False)
+            out[name] = out[name].copy(data=_one_block(var), deep=False)
     return out, user_dask
 
 

@@ -23,7 +23,9 @@ import numcodecs
 import numpy as np
 import zarr.codecs as zc
 
+from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, ShardChain, plan_chain
+from xarray_gds.store import pack_offsets
 
 __all__ = [
     "EncodeChain",
@@ -197,7 +199,7 @@ def empty_rows(flat: Any, fill: Any, xp: Any) -> np.ndarray:
         if np.asarray(fill != fill).any():
             same |= flat != flat
     empty = same.all(axis=1)
-    return np.asarray(empty.get() if hasattr(empty, "get") else empty, dtype=bool)
+    return _device.to_host(empty).astype(bool, copy=False)
 
 
 _MISSING = np.uint64(2**64 - 1)
@@ -292,7 +294,7 @@ def adler32(data: Any, xp: Any) -> np.ndarray:
     a = (a + 1) % _ADLER_MOD
     b = (b + size) % _ADLER_MOD
     result = (b << 16) | a
-    return np.asarray(result.get() if hasattr(result, "get") else result, dtype=np.uint32)
+    return _device.to_host(result).astype(np.uint32)
 
 
 @dataclass(frozen=True)
@@ -309,9 +311,17 @@ class Encoded:
         return self.data[start : start + int(self.sizes[i])]
 
 
-def frame_layout(name: str | None, raw_sizes: np.ndarray) -> tuple[int, int]:
+def frame_layout(name: str | None) -> tuple[int, int]:
     """Bytes reserved before and after each raw stream for the framing of ``name``."""
     return {"lz4": (4, 0), "zlib": (len(_ZLIB_HEADER), 4)}.get(name or "", (0, 0))
+
+
+def stream_starts(name: str | None, raw_sizes: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Streams of ``raw_sizes`` framed for ``name`` and laid end to end: where each
+    framed stream starts, the total size, and where in it its raw stream starts."""
+    head, tail = frame_layout(name)
+    starts, total = pack_offsets(raw_sizes + head + tail, align=1)
+    return starts, total, head
 
 
 def add_framing(
@@ -325,7 +335,7 @@ def add_framing(
     """Write the framing of ``name`` around raw streams already placed in ``out``.
 
     Stream ``i`` sits at ``starts[i] + head``; returns the framed size of each chunk."""
-    head, tail = frame_layout(name, raw_sizes)
+    head, tail = frame_layout(name)
     if name == "lz4":
         prefix = np.frombuffer(np.uint32(nbytes).astype("<u4").tobytes(), dtype=np.uint8)
         out[starts[:, None] + np.arange(4)] = prefix
@@ -364,10 +374,8 @@ def pack(
         )
     assert raw is not None
     raw_sizes = np.array([len(r) for r in raw], dtype=np.int64)
-    head, tail = frame_layout(name, raw_sizes)
-    framed = raw_sizes + head + tail
-    starts = np.concatenate([[0], np.cumsum(framed)[:-1]]).astype(np.int64)
-    out = np.empty(int(framed.sum()), dtype=np.uint8)
+    starts, total, head = stream_starts(name, raw_sizes)
+    out = np.empty(total, dtype=np.uint8)
     for i, r in enumerate(raw):
         out[starts[i] + head : starts[i] + head + len(r)] = np.frombuffer(r, dtype=np.uint8)
     sizes = add_framing(name, out, starts, raw_sizes, nbytes, checksums)

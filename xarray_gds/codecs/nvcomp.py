@@ -599,10 +599,8 @@ def encode(chain: Any, chunks: Any) -> Any:
         sizes = np.asarray(result.buffer_sizes, dtype=np.int64)
     finally:
         stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it
-    head, tail = enc.frame_layout(name, sizes)
-    framed = sizes + head + tail
-    starts = np.concatenate([[0], np.cumsum(framed)[:-1]]).astype(np.int64)
-    packed = cp.empty(max(1, int(framed.sum())), dtype=cp.uint8)
+    starts, total, head = enc.stream_starts(name, sizes)
+    packed = cp.empty(max(1, total), dtype=cp.uint8)
     gather(out, rows, packed, starts + head, sizes)
     # pinned host memory: a copy to pageable memory runs at a fraction of the bus speed
     import cupyx
