@@ -559,6 +559,16 @@ def _encode_bound(name: str, nbytes: int) -> int:
     return nbytes + nbytes // 64 + 65536
 
 
+def _to_pinned(array: Any) -> np.ndarray:
+    """A copy of the device array in pinned host memory (a copy to pageable memory runs
+    at a fraction of the bus speed)."""
+    import cupyx
+
+    host: np.ndarray = cupyx.empty_pinned(array.shape, dtype=array.dtype)
+    array.get(out=host)
+    return host
+
+
 def encode(chain: Any, chunks: Any) -> Any:
     """Encode device chunk arrays ``(n, *chunk_shape)`` of an EncodeChain with one nvCOMP
     call; returns an :class:`~xarray_gds.codecs.encode.Encoded` in host memory."""
@@ -568,7 +578,7 @@ def encode(chain: Any, chunks: Any) -> Any:
     data = enc.layout(chain, chunks, cp)
     name = chain.compressor
     if name is None:
-        return enc.pack(None, None, cp.asnumpy(data), None)
+        return enc.pack(None, None, _to_pinned(data), None)
     n, nbytes = data.shape
     checksums = adler32(data) if name == "zlib" else None
     stride = -(-nbytes // _ALIGN) * _ALIGN  # nvCOMP wants aligned inputs
@@ -602,9 +612,5 @@ def encode(chain: Any, chunks: Any) -> Any:
     starts, total, head = enc.stream_starts(name, sizes)
     packed = cp.empty(max(1, total), dtype=cp.uint8)
     gather(out, rows, packed, starts + head, sizes)
-    # pinned host memory: a copy to pageable memory runs at a fraction of the bus speed
-    import cupyx
-
-    host = cupyx.empty_pinned(packed.shape, dtype=np.uint8)
-    packed.get(out=host)
+    host = _to_pinned(packed)
     return enc.Encoded(host, starts, enc.add_framing(name, host, starts, sizes, nbytes, checksums))
