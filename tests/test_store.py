@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,49 @@ def test_deferred_metadata_ranges_prefixes_nesting_and_read_only(tmp_path: Path)
     zsync.sync(store.set("e/zarr.json", cpu.Buffer.from_bytes(b"{}")))
     store.discard_metadata()  # a failed write
     assert not (tmp_path / "s.zarr" / "e").exists()
+
+
+def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails before its rename leaves the old value and no temporary file."""
+    store = GdsStore(tmp_path / "s", read_only=False)
+    store.set_sync("a/c/0", cpu.Buffer.from_bytes(b"old"))
+    real_write = os.write
+
+    def short_then_fail(fd: int, data: Any) -> int:
+        monkeypatch.setattr(os, "write", _fail)
+        return real_write(fd, bytes(memoryview(data)[:2]))
+
+    monkeypatch.setattr(os, "write", short_then_fail)
+    with pytest.raises(OSError, match="injected"):
+        store.set_sync("a/c/0", cpu.Buffer.from_bytes(b"new value"))
+    monkeypatch.undo()
+    assert (tmp_path / "s" / "a" / "c" / "0").read_bytes() == b"old"
+    assert sorted(p.name for p in (tmp_path / "s" / "a" / "c").iterdir()) == ["0"]
+    # a short write is continued, not truncated; parents are made as needed
+    store.set_sync("b/c/0/0", cpu.Buffer.from_bytes(b"x" * 100_000))
+    assert (tmp_path / "s" / "b" / "c" / "0" / "0").read_bytes() == b"x" * 100_000
+
+
+def _fail(fd: int, data: Any) -> int:
+    raise OSError("disk full (injected)")
+
+
+async def test_delete_dir_removes_trees_without_following_links(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"k")
+    store = await GdsStore.open(tmp_path / "s", read_only=False)
+    for i in range(40):  # enough files for the parallel removal
+        await store.set(f"g/arr/c/{i % 3}/{i}", cpu.Buffer.from_bytes(b"x"))
+    await store.set("g/zarr.json", cpu.Buffer.from_bytes(b"{}"))
+    await store.set("h/zarr.json", cpu.Buffer.from_bytes(b"{}"))
+    (tmp_path / "s" / "g" / "link").symlink_to(outside, target_is_directory=True)
+    await store.delete_dir("g")
+    assert not (tmp_path / "s" / "g").exists()
+    assert (outside / "keep").read_bytes() == b"k"  # the link went, not its target
+    assert [k async for k in store.list()] == ["h/zarr.json"]
+    await store.delete_dir("nothing/here")  # a missing directory: nothing to do
+    with pytest.raises(ValueError, match="is a file"):
+        await store.delete_dir("h/zarr.json")
+    await store.clear()
+    assert (tmp_path / "s").is_dir() and not list((tmp_path / "s").iterdir())

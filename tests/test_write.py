@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -169,17 +170,17 @@ def test_failed_write_leaves_whole_chunks(
     shutil.copytree(v3_store, path)
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
     new = gds[["t2m"]].drop_vars(["area", "lat", "lon", "time"]) + 1000.0
-    real_replace = Path.replace
+    real_replace = os.replace
     replaced: list[str] = []
 
-    def flaky_replace(self: Path, target: Any) -> Any:
+    def flaky_replace(source: Any, target: Any) -> Any:
         if "t2m" in Path(target).parts and Path(target).name != "zarr.json":
             if len(replaced) == 5:
                 raise OSError("disk full (injected)")
             replaced.append(str(target))
-        return real_replace(self, target)
+        return real_replace(source, target)
 
-    monkeypatch.setattr(Path, "replace", flaky_replace)
+    monkeypatch.setattr(os, "replace", flaky_replace)
     with pytest.raises(OSError, match="injected"):
         xarray_gds.to_zarr(new, path, region={"time": slice(None)}, mode="r+")
     monkeypatch.undo()
@@ -217,18 +218,18 @@ def test_urls_and_stores_go_to_xarray_unchanged(
 
 def _recording_replace(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> list[str]:
     """Record the files renamed into place (in order); optionally fail at chunk ``fail_at``."""
-    real_replace = Path.replace
+    real_replace = os.replace
     renamed: list[str] = []
 
-    def replace(self: Path, target: Any) -> Any:
+    def replace(source: Any, target: Any) -> Any:
         name = Path(target).name
         chunks = [r for r in renamed if not r.endswith(("zarr.json", ".zarray", ".zattrs"))]
         if fail_at is not None and name not in ("zarr.json",) and len(chunks) == fail_at:
             raise OSError("disk full (injected)")
         renamed.append(str(target))
-        return real_replace(self, target)
+        return real_replace(source, target)
 
-    monkeypatch.setattr(Path, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     return renamed
 
 
