@@ -288,7 +288,7 @@ def test_info_on_every_codec_case(
     [
         ("zstd", "GPU (batched)"),
         ("sharded", "GPU (batched)"),
-        ("crc32c", "host (batched)"),
+        ("crc32c", "GPU (batched)"),
         ("blosc", "GPU (batched)"),
         ("big-endian", "GPU (batched)"),
     ],

@@ -32,7 +32,7 @@ EXPECTED_PLAN = {
     (3, "none"): "gpu",
     (3, "blosc"): "gpu",
     (3, "blosc-zstd-bit"): "gpu",
-    (3, "crc32c"): "host",
+    (3, "crc32c"): "gpu",
     (3, "big-endian"): "gpu",
     (3, "sharded"): "gpu",
     (2, "zstd"): "gpu",
@@ -234,6 +234,43 @@ def test_damaged_chunk_raises_and_next_read_works(
     sel = dict(time=slice(0, 4))
     xr.testing.assert_identical(to_numpy(ds.t2m.isel(sel)), ref.t2m.isel(sel).load())
     xr.testing.assert_identical(to_numpy(ds.u10), ref.u10.load())
+
+
+def test_crc32c_mismatch_names_the_chunk_and_both_checksums(
+    tmp_path: Path, store_factory: Callable, device: str
+) -> None:
+    """One flipped bit in the middle of a compressed chunk (its zstd stream still
+    decodes): the checksum, not the decoder, must catch it."""
+    path = tmp_path / "flipped.zarr"
+    shutil.copytree(store_factory(3, "crc32c"), path)
+    chunk, key = _chunk_file(path, 3)
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) - 4] ^= 0x01  # the last byte before the checksum
+    chunk.write_bytes(bytes(raw))
+    ds = xr.open_dataset(path, engine="gds-zarr", device=device)
+    with pytest.raises(ChunkDecodeError, match=r"checksum mismatch \(stored 0x[0-9a-f]{8}, "):
+        ds.t2m.load()
+    with pytest.raises(ChunkDecodeError) as err:
+        ds.t2m.load()
+    assert key in str(err.value) and err.value.codec == "crc32c"
+
+
+@pytest.mark.gpu
+def test_device_crc32c_matches_google_crc32c() -> None:
+    cp = pytest.importorskip("cupy")
+    import google_crc32c
+
+    from xarray_gds.codecs import crc32c, nvcomp
+
+    rng = np.random.default_rng(7)
+    sizes = np.array([0, 1, 3, 4, 17, 4096, 65_537, (1 << 22) + 5], dtype=np.int64)
+    offsets = np.cumsum(np.concatenate([[3], sizes[:-1] + 5]))  # unaligned starts
+    arena = rng.integers(0, 256, int(offsets[-1] + sizes[-1]), dtype=np.uint8)
+    stream, _ = nvcomp._state()
+    got = crc32c.crc32c(cp.asarray(arena), offsets, sizes, stream)
+    pieces = [arena[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+    want = [google_crc32c.value(piece.tobytes()) for piece in pieces]
+    assert got.dtype == np.uint32 and got.tolist() == want
 
 
 def test_sharded_partial_reads_touch_only_needed_inner_chunks(

@@ -74,7 +74,8 @@ class DecodeChain:
     dtype : numpy.dtype
         Stored dtype (its byte order may be non-native).
     crc32c : bool
-        A trailing CRC-32C (v3 ``crc32c`` codec) to check and strip first.
+        A trailing CRC-32C (v3 ``crc32c`` codec) to check and strip first (on the GPU
+        with nvCOMP's batched CRC32).
     compressor : Compressor or None
         The decompression stage, if any.
     filters : tuple of ByteFilter
@@ -107,8 +108,6 @@ class DecodeChain:
     @property
     def host_only(self) -> str:
         """Why GPU reads of this chain decode on the host ("" when they do not)."""
-        if self.crc32c:
-            return "crc32c has no GPU implementation"
         if self.compressor is not None and not self.compressor.device_ready:
             return f"{self.compressor.detail or self.compressor.name} has no GPU decoder"
         for f in self.filters:

@@ -138,7 +138,7 @@ def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | s
     if chain.filters:
         return "filters are encoded on the host"
     if chain.crc32c:
-        return "crc32c has no GPU implementation"
+        return "crc32c checksums are written on the host"
     name = chain.compressor.name if chain.compressor is not None else None
     if name is not None and name not in FORMATS:
         return f"{chain.compressor.detail or name} has no GPU encoder"  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import device as _device
-from xarray_gds.codecs import DecodeChain, framing
+from xarray_gds.codecs import DecodeChain, crc32c, framing
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, pack_offsets
 
@@ -340,6 +340,8 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
     offsets = batch.offsets[idx]
     sizes = batch.sizes[idx]
     m = len(idx)
+    if chain.crc32c:
+        sizes = _strip_crc32c(batch, offsets, sizes, keys)
     if chain.compressor is None:
         bad = np.flatnonzero(sizes != nbytes)
         if bad.size:
@@ -360,6 +362,31 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
     rows = np.arange(m, dtype=np.int64) * row
     _run(name, name, src, out.reshape(-1), rows, np.full(m, nbytes, dtype=np.int64), keys)
     return cp.ascontiguousarray(out[:, :nbytes]) if row != nbytes else out
+
+
+def _strip_crc32c(
+    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, keys: Sequence[str]
+) -> np.ndarray:
+    """Check the trailing CRC-32C (little-endian) of every chunk with one nvCOMP call;
+    return the sizes without it."""
+    short = np.flatnonzero(sizes < 4)
+    if short.size:
+        j = int(short[0])
+        why = f"{int(sizes[j])} bytes is too short for a checksum"
+        raise ChunkDecodeError(keys[j], "crc32c", why)
+    body = sizes - 4
+    stored = np.ascontiguousarray(_peek(batch, offsets + body, 4)).view("<u4")[:, 0]
+    stream, _ = _state()
+    actual = crc32c.crc32c(batch.arena, offsets, body, stream)
+    bad = np.flatnonzero(actual != stored)
+    if bad.size:
+        j = int(bad[0])
+        raise ChunkDecodeError(
+            keys[j],
+            "crc32c",
+            f"checksum mismatch (stored {int(stored[j]):#010x}, computed {int(actual[j]):#010x})",
+        )
+    return body
 
 
 #: Blosc stream formats and the stream format of this module that decodes them
