@@ -3,6 +3,7 @@ and on the GPU the same streams made by nvCOMP."""
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -230,18 +231,18 @@ def test_failed_batched_write_leaves_whole_chunks(
     out = tmp_path / "out.zarr"
     encoding = {"a": {"chunks": (8, 16), "compressors": zc.GzipCodec()}}
     xarray_gds.to_zarr(ds, out, encoding=encoding)
-    real_replace = Path.replace
+    real_replace = os.replace
     replaced: list[str] = []
 
-    def flaky_replace(self: Path, target: Any) -> Any:
+    def flaky_replace(source: Any, target: Any) -> Any:
         if Path(target).name != "zarr.json":
             if len(replaced) == 4:
                 raise OSError("disk full (injected)")
             replaced.append(str(target))
-        return real_replace(self, target)
+        return real_replace(source, target)
 
     with monkeypatch.context() as patch:
-        patch.setattr(Path, "replace", flaky_replace)
+        patch.setattr(os, "replace", flaky_replace)
         with pytest.raises(OSError, match="injected"):
             xarray_gds.to_zarr(ds + 1000.0, out, mode="r+", region="auto")
     got = xr.open_dataset(out, engine="zarr").a.values
