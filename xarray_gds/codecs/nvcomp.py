@@ -504,6 +504,10 @@ def _run(
     outputs = _batch(out, out_offsets, out_sizes, stream)
     try:
         result = _codec(name).decode(inputs, out=outputs)
+        # wait in CuPy, which lets other threads run meanwhile; read first, nvCOMP's
+        # buffer_sizes does the waiting (a profile of 50 concurrent store reads had
+        # almost all their decode time in it, and no gain from more dask threads)
+        stream.synchronize()
         got = np.asarray(result.buffer_sizes, dtype=np.int64)
     except (RuntimeError, ValueError) as err:
         stream.synchronize()
@@ -626,6 +630,7 @@ def encode(chain: Any, chunks: Any) -> Any:
             outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
             try:
                 result = _codec(name).encode(inputs, out=outputs)
+                stream.synchronize()  # waits in CuPy, not in buffer_sizes (see _run)
                 break
             except ValueError as err:
                 stream.synchronize()
