@@ -174,7 +174,8 @@ def test_failed_write_leaves_whole_chunks(
     replaced: list[str] = []
 
     def flaky_replace(source: Any, target: Any) -> Any:
-        if "t2m" in Path(target).parts and Path(target).name != "zarr.json":
+        target = Path(target)
+        if path in target.parents and "t2m" in target.parts and target.name != "zarr.json":
             if len(replaced) == 5:
                 raise OSError("disk full (injected)")
             replaced.append(str(target))
@@ -216,12 +217,17 @@ def test_urls_and_stores_go_to_xarray_unchanged(
     assert isinstance(seen[2], xarray_gds.GdsStore)
 
 
-def _recording_replace(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> list[str]:
-    """Record the files renamed into place (in order); optionally fail at chunk ``fail_at``."""
+def _recording_replace(
+    monkeypatch: pytest.MonkeyPatch, root: Path, fail_at: int | None
+) -> list[str]:
+    """Record the files renamed into place below ``root`` (in order; CuPy also renames
+    files into its kernel cache); optionally fail at chunk ``fail_at``."""
     real_replace = os.replace
     renamed: list[str] = []
 
     def replace(source: Any, target: Any) -> Any:
+        if root not in Path(target).parents:
+            return real_replace(source, target)
         name = Path(target).name
         chunks = [r for r in renamed if not r.endswith(("zarr.json", ".zarray", ".zattrs"))]
         if fail_at is not None and name not in ("zarr.json",) and len(chunks) == fail_at:
@@ -239,7 +245,7 @@ def test_metadata_is_written_after_the_data(
     gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device)
     out = tmp_path / "out.zarr"
     with monkeypatch.context() as patch:
-        renamed = _recording_replace(patch, None)
+        renamed = _recording_replace(patch, out, None)
         xarray_gds.to_zarr(gds, out, consolidated=True)
     metadata = [i for i, r in enumerate(renamed) if Path(r).name == "zarr.json"]
     chunks = [i for i, r in enumerate(renamed) if Path(r).name != "zarr.json"]
@@ -258,7 +264,7 @@ def test_failed_append_leaves_the_store_as_it_was(
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
     more = gds.isel(time=slice(0, 4)).load()
     with monkeypatch.context() as patch:
-        _recording_replace(patch, 3)
+        _recording_replace(patch, path, 3)
         with pytest.raises(OSError, match="injected"):
             xarray_gds.to_zarr(more, path, append_dim="time")
     # the metadata still describes the old arrays: the appended chunks are not visible
