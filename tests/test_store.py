@@ -230,12 +230,13 @@ def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return real_write(fd, bytes(memoryview(data)[:2]))
 
     monkeypatch.setattr(os, "write", short_then_fail)
+    # the first (short) write is continued, the second fails
     with pytest.raises(OSError, match="injected"):
         store.set_sync("a/c/0", cpu.Buffer.from_bytes(b"new value"))
     monkeypatch.undo()
     assert (tmp_path / "s" / "a" / "c" / "0").read_bytes() == b"old"
     assert sorted(p.name for p in (tmp_path / "s" / "a" / "c").iterdir()) == ["0"]
-    # a short write is continued, not truncated; parents are made as needed
+    # parents are made as needed
     store.set_sync("b/c/0/0", cpu.Buffer.from_bytes(b"x" * 100_000))
     assert (tmp_path / "s" / "b" / "c" / "0" / "0").read_bytes() == b"x" * 100_000
 
@@ -263,3 +264,28 @@ async def test_delete_dir_removes_trees_without_following_links(tmp_path: Path) 
         await store.delete_dir("h/zarr.json")
     await store.clear()
     assert (tmp_path / "s").is_dir() and not list((tmp_path / "s").iterdir())
+
+
+async def test_delete_dir_refuses_links_and_escaping_prefixes(tmp_path: Path) -> None:
+    """As zarr's LocalStore (shutil.rmtree): a linked directory is not emptied through
+    the link, whether it is a prefix or the store's root."""
+    target = tmp_path / "target.zarr"
+    target.mkdir()
+    (target / "keep").write_bytes(b"k")
+    store = await GdsStore.open(tmp_path / "s", read_only=False)
+    await store.set("a/zarr.json", cpu.Buffer.from_bytes(b"{}"))
+    (tmp_path / "s" / "a" / "lnk").symlink_to(target, target_is_directory=True)
+    with pytest.raises(OSError, match="symbolic link"):
+        await store.delete_dir("a/lnk")
+    linked = await GdsStore.open(tmp_path / "linked.zarr", read_only=False)
+    (tmp_path / "linked.zarr").rmdir()
+    (tmp_path / "linked.zarr").symlink_to(target, target_is_directory=True)
+    with pytest.raises(OSError, match="symbolic link"):
+        await linked.delete_dir("")
+    with pytest.raises(OSError, match="symbolic link"):
+        await linked.clear()
+    assert (target / "keep").read_bytes() == b"k"
+    (tmp_path / "sibling").mkdir()
+    with pytest.raises(ValueError, match="invalid key"):
+        await store.delete_dir("../sibling")
+    assert (tmp_path / "sibling").is_dir()

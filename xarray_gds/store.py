@@ -126,10 +126,13 @@ def write_file(path: str, data: Any) -> int:
 
 
 def remove_tree(path: str) -> None:
-    """Delete the directory ``path`` and everything below it (as ``shutil.rmtree``,
-    symbolic links removed, not followed), files and then each level of
-    directories deleted in parallel on the host pool."""
+    """Delete the directory ``path`` and everything below it (as ``shutil.rmtree``:
+    links inside it are removed, not followed, and ``path`` itself may not be a link),
+    files and then each level of directories deleted in parallel on the host pool."""
     from xarray_gds.codecs.host import parallel
+
+    if os.path.islink(path):
+        raise OSError(f"cannot remove a directory tree through a symbolic link: {path}")
 
     files: list[str] = []
     levels: list[list[str]] = []
@@ -576,6 +579,8 @@ class GdsStore(LocalStore):
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
+        if prefix.rstrip("/"):
+            self.resolve(prefix.rstrip("/"))
         self._forget(prefix.rstrip("/"))
         path = self.root / prefix
         if path.is_dir():

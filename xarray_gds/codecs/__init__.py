@@ -108,6 +108,10 @@ class DecodeChain:
     @property
     def host_only(self) -> str:
         """Why GPU reads of this chain decode on the host ("" when they do not)."""
+        from xarray_gds.codecs import crc32c
+
+        if self.crc32c and not crc32c.available():
+            return "crc32c: this nvCOMP has no CRC32 functions (nvidia.libnvcomp)"
         if self.compressor is not None and not self.compressor.device_ready:
             return f"{self.compressor.detail or self.compressor.name} has no GPU decoder"
         for f in self.filters:

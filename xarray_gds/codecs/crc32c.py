@@ -16,7 +16,7 @@ import numpy as np
 
 from xarray_gds import device as _device
 
-__all__ = ["crc32c"]
+__all__ = ["available", "crc32c"]
 
 
 class _Spec(ctypes.Structure):
@@ -66,6 +66,12 @@ def _library() -> Any:
     return lib
 
 
+def available() -> bool:
+    """True when nvCOMP's batched CRC32 can be called (nvCOMP wheels that ship
+    ``nvidia.libnvcomp`` with the CRC32 API); else crc32c arrays decode on the host."""
+    return _library() is not None
+
+
 def crc32c(arena: Any, offsets: np.ndarray, sizes: np.ndarray, stream: Any) -> np.ndarray:
     """CRC-32C of ``arena[offsets[i]:][:sizes[i]]`` for every ``i`` (device bytes), as a
     host uint32 array. Runs on ``stream`` after the work queued so far on CuPy's
@@ -73,9 +79,8 @@ def crc32c(arena: Any, offsets: np.ndarray, sizes: np.ndarray, stream: Any) -> n
     lib = _library()
     if lib is None:
         raise RuntimeError(
-            "xarray-gds checks crc32c on the GPU with nvCOMP's CRC32 functions, which could "
-            "not be loaded from libnvcomp (nvidia.libnvcomp); install 'xarray-gds[cuda13]' "
-            "or 'xarray-gds[cuda12]'"
+            "nvCOMP's CRC32 functions could not be loaded from libnvcomp "
+            "(nvidia.libnvcomp): this nvCOMP cannot check crc32c on the GPU"
         )
     n = len(sizes)
     if not n:

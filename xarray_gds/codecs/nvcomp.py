@@ -504,9 +504,9 @@ def _run(
     outputs = _batch(out, out_offsets, out_sizes, stream)
     try:
         result = _codec(name).decode(inputs, out=outputs)
-        # wait in CuPy, which lets other threads run meanwhile; read first, nvCOMP's
-        # buffer_sizes does the waiting (a profile of 50 concurrent store reads had
-        # almost all their decode time in it, and no gain from more dask threads)
+        # wait in CuPy, which lets other threads run meanwhile: read before the wait,
+        # nvCOMP's buffer_sizes does the waiting itself and the other dask threads
+        # stall (a profile of 50 store reads had their decode time in it)
         stream.synchronize()
         got = np.asarray(result.buffer_sizes, dtype=np.int64)
     except (RuntimeError, ValueError) as err:
