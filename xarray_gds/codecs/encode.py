@@ -124,9 +124,7 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | ShardEncod
         inner = _plan_chunks(chain.inner, _compressor_of(sharding.codecs), levels)
         if isinstance(inner, str):
             return f"inner chunks: {inner}"
-        return ShardEncode(
-            chain.shard_shape, inner, chain.index_crc32c, chain.index_at_end, chain.codecs
-        )
+        return ShardEncode(chain, inner)
     if not isinstance(chain, DecodeChain):
         return str(chain.reason)
     codecs = [metadata.compressor] if hasattr(metadata, "compressor") else metadata.codecs
@@ -160,31 +158,36 @@ def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | s
 @dataclass(frozen=True)
 class ShardEncode:
     """How to encode the shards of a sharded array (v3 ``sharding_indexed``): inner
-    chunks with ``inner``, then each shard's index (``bytes``, optionally ``crc32c``).
+    chunks with ``inner``, then each shard's index (``bytes``, optionally ``crc32c``),
+    laid out as ``layout`` (the array's decode plan) describes.
 
     ``chunk_shape``, ``dtype`` and ``nbytes`` describe a whole shard, the unit that
     writes stage and store.
     """
 
-    chunk_shape: tuple[int, ...]
+    layout: ShardChain
     inner: EncodeChain
-    index_crc32c: bool
-    index_at_end: bool
-    codecs: tuple[str, ...]
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return self.layout.shard_shape
 
     @property
     def dtype(self) -> np.dtype:
         return self.inner.dtype
 
     @property
-    def grid(self) -> tuple[int, ...]:
-        """Inner chunks per shard along each axis."""
-        inner = self.inner.chunk_shape
-        return tuple(s // c for s, c in zip(self.chunk_shape, inner, strict=True))
+    def nbytes(self) -> int:
+        return self.layout.nbytes
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.chunk_shape) * self.dtype.itemsize
+    def grid(self) -> tuple[int, ...]:
+        """Inner chunks per shard along each axis."""
+        return self.layout.grid
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        return self.layout.codecs
 
 
 def empty_rows(flat: Any, fill: Any, xp: Any) -> np.ndarray:
@@ -233,8 +236,8 @@ def encode_shards(
     chunks = inner if picked.size == n * n_inner else inner[xp.asarray(picked)]
     encoded = encoder(plan.inner, chunks)
     present = present.reshape(n, n_inner)
-    index_nbytes = n_inner * 16 + (4 if plan.index_crc32c else 0)
-    shift = 0 if plan.index_at_end else index_nbytes
+    layout = plan.layout
+    shift = 0 if layout.index_at_end else layout.index_nbytes
     out: list[np.ndarray | None] = []
     k = 0
     for s in range(n):
@@ -250,9 +253,9 @@ def encode_shards(
         table[present[s], 0] = starts - base + shift
         table[present[s], 1] = sizes
         index = table.tobytes()
-        if plan.index_crc32c:
+        if layout.index_crc32c:
             index += google_crc32c.value(index).to_bytes(4, "little")
-        head, tail = (b"", index) if plan.index_at_end else (index, b"")
+        head, tail = (b"", index) if layout.index_at_end else (index, b"")
         shard = np.empty(len(head) + payload.size + len(tail), dtype=np.uint8)
         shard[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         shard[len(head) : len(head) + payload.size] = payload
