@@ -505,11 +505,15 @@ class GdsStore(LocalStore):
             return None
         return deferred.keys.get(key)
 
-    def _holds(self, key: str) -> bool:
+    def _hold(self, key: str, value: Buffer, *, keep: bool = False) -> bool:
+        """Hold ``value`` for the metadata key ``key`` while writes are deferred (keep
+        an existing value with ``keep``); False when ``key`` is written as usual."""
         deferred = self._deferred
         if deferred is None or not deferred.active or not is_metadata_key(key):
             return False
         self._check_writable()
+        if not keep:
+            deferred.keys[key] = value
         return True
 
     def _forget(self, key: str) -> None:
@@ -547,10 +551,8 @@ class GdsStore(LocalStore):
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if self._holds(key):
-            self._deferred.keys[key] = value  # type: ignore[union-attr]
-            return
-        self._put(key, value)
+        if not self._hold(key, value):
+            self._put(key, value)
 
     def delete_sync(self, key: str) -> None:
         self.resolve(key)
@@ -559,18 +561,15 @@ class GdsStore(LocalStore):
 
     async def set(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if self._holds(key):
-            self._deferred.keys[key] = value  # type: ignore[union-attr]
-            return
-        await asyncio.to_thread(self._put, key, value)
+        if not self._hold(key, value):
+            await asyncio.to_thread(self._put, key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if self._holds(key):
-            if not await self.exists(key):
-                self._deferred.keys[key] = value  # type: ignore[union-attr]
-            return
-        await super().set_if_not_exists(key, value)
+        if not self._hold(key, value, keep=True):
+            await super().set_if_not_exists(key, value)
+        elif not await self.exists(key):
+            self._hold(key, value)
 
     async def delete(self, key: str) -> None:
         self.resolve(key)
@@ -579,9 +578,10 @@ class GdsStore(LocalStore):
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
-        if prefix.rstrip("/"):
-            self.resolve(prefix.rstrip("/"))
-        self._forget(prefix.rstrip("/"))
+        prefix = prefix.rstrip("/")
+        if prefix:
+            self.resolve(prefix)
+        self._forget(prefix)
         path = self.root / prefix
         if path.is_dir():
             await asyncio.to_thread(remove_tree, str(path))
@@ -592,8 +592,12 @@ class GdsStore(LocalStore):
         self._check_writable()
         if self._deferred is not None:
             self._deferred.keys.clear()
-        await asyncio.to_thread(remove_tree, str(self.root))
-        await asyncio.to_thread(self.root.mkdir)
+
+        def clear_root() -> None:
+            remove_tree(str(self.root))
+            self.root.mkdir()
+
+        await asyncio.to_thread(clear_root)
 
     async def exists(self, key: str) -> bool:
         self.resolve(key)
@@ -609,17 +613,17 @@ class GdsStore(LocalStore):
         return await super().getsize(key)
 
     async def list(self) -> AsyncIterator[str]:
-        seen = set()
-        async for key in super().list():
-            seen.add(key)
+        async for key in self._and_held(super().list(), ""):
             yield key
-        for key in self._held_keys():
-            if key not in seen:
-                yield key
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        async for key in self._and_held(super().list_prefix(prefix), prefix):
+            yield key
+
+    async def _and_held(self, on_disk: AsyncIterator[str], prefix: str) -> AsyncIterator[str]:
+        """The keys of ``on_disk``, then the held keys below ``prefix`` not among them."""
         seen = set()
-        async for key in super().list_prefix(prefix):
+        async for key in on_disk:
             seen.add(key)
             yield key
         for key in self._held_keys(prefix):
