@@ -96,7 +96,7 @@ def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
     return out
 
 
-def write_file(path: str, data: Any) -> int:
+def write_file(path: str, data: Any) -> None:
     """Write ``data`` (anything with the buffer protocol) to ``path`` whole or not at
     all: into a temporary file beside it, renamed into place. Missing parent
     directories are made. os-level calls: a chunk write costs a third less than
@@ -112,7 +112,6 @@ def write_file(path: str, data: Any) -> int:
     try:
         try:
             view = memoryview(data).cast("B")
-            total = view.nbytes
             while view.nbytes:  # one call writes at most about 2 GiB
                 view = view[os.write(fd, view) :]
         finally:
@@ -122,7 +121,6 @@ def write_file(path: str, data: Any) -> int:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return total
 
 
 def remove_tree(path: str) -> None:

@@ -516,7 +516,6 @@ def _run(
         where = int(found.group(1)) if found and int(found.group(1)) < m else None
         key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
         raise ChunkDecodeError(key, codec, str(err)) from err
-    stream.synchronize()
     bad = np.flatnonzero(got != out_sizes)
     if bad.size:
         j = int(bad[0])
