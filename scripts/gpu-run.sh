@@ -10,6 +10,12 @@ set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/xarray-gds-out}
 mkdir -p "$out"
+# prepare builds the project's wheel only with the project's venv on PATH: without it the
+# engine is not registered and every test fails, so stop before spending device time
+if ! ls .whl/xarray_gds-*.whl > /dev/null 2>&1; then
+  echo "no xarray_gds wheel in .whl: run PATH=\$PWD/.venv/bin:\$PATH ../shared/gpu/prepare" >&2
+  exit 2
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1

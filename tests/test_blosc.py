@@ -19,8 +19,8 @@ from xarray_gds.codecs import blosc as blosc_module
 from xarray_gds.codecs.blosc import (
     BloscStreams,
     decode_host,
+    parse_arena,
     parse_frames,
-    sparse_tables,
     unshuffle,
 )
 from xarray_gds.errors import ChunkDecodeError
@@ -433,15 +433,20 @@ def test_blosclz_parses_but_has_no_batched_decoder():
 
 
 class _CountingXp:
-    """numpy as the array module of :func:`sparse_tables`, counting the bytes it copies
-    to the "host" (``asnumpy``) and the copies."""
+    """numpy as the array module of :func:`parse_arena`, counting the bytes it copies to
+    the "host" (``asnumpy``) and the copies, and recording every byte it gathers."""
 
     def __init__(self) -> None:
         self.nbytes = 0
         self.copies = 0
+        self.read: list[np.ndarray] = []
 
     def __getattr__(self, name: str) -> object:
         return getattr(np, name)
+
+    def asarray(self, a: np.ndarray) -> np.ndarray:
+        self.read.append(np.array(a).reshape(-1))
+        return np.asarray(a)
 
     def asnumpy(self, a: np.ndarray) -> np.ndarray:
         self.nbytes += a.nbytes
@@ -487,19 +492,17 @@ def _assert_same_streams(got: BloscStreams, want: BloscStreams) -> None:
             assert a == b, name
 
 
-def _sparse_check(frames: list[np.ndarray], nbytes: int, seed: int = 0) -> BloscStreams:
-    """parse_frames reads the same from the sparse copy as from the whole arena, and the
-    sparse copy fetched exactly the headers, block-start tables and size prefixes."""
+def _arena_check(frames: list[np.ndarray], nbytes: int, seed: int = 0) -> BloscStreams:
+    """parse_arena on an arena of the frames lists what parse_frames lists for host copies
+    of them, reading exactly the headers, block-start tables and size prefixes."""
     arena, offsets, sizes, junk = _lay_out(frames, seed)
     keys = [f"s/{i}" for i in range(len(frames))]
     xp = _CountingXp()
-    sparse = sparse_tables(arena, offsets, sizes, nbytes, xp=xp)
-    assert sparse.shape == arena.shape and sparse.dtype == np.uint8
-    assert np.all((sparse == 0) | (sparse == arena))  # real bytes or zeros
-    assert not sparse[junk].any()  # nothing outside the frames
+    got = parse_arena(arena, offsets, sizes, keys, nbytes, xp=xp)
     want = parse_frames(_views(arena, offsets, sizes), keys, nbytes)
-    got = parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
     _assert_same_streams(got, want)
+    read = np.concatenate([np.zeros(0, np.int64), *xp.read])
+    assert not junk[read].any()  # nothing outside the frames
     # the bytes fetched: 16 per header, 4 per block start and 4 per stream size
     expected = 16 * len(frames)
     if nbytes:
@@ -515,7 +518,7 @@ def _sparse_check(frames: list[np.ndarray], nbytes: int, seed: int = 0) -> Blosc
 @pytest.mark.parametrize("typesize", [1, 2, 4, 8])
 @pytest.mark.parametrize("shuffle", SHUFFLES)
 @pytest.mark.parametrize("cname", [*CNAMES, "blosclz"])
-def test_sparse_tables_match_whole_copy(cname: str, shuffle: int, typesize: int, blocksize: int):
+def test_parse_arena_matches_parse_frames(cname: str, shuffle: int, typesize: int, blocksize: int):
     """Compressible, incompressible and stored (clevel 0) frames, many blocks with a short
     last one and leftover bytes, or a chunk smaller than a block."""
     for nbytes in (300_003, 30_003, 1000, 100):
@@ -525,13 +528,13 @@ def test_sparse_tables_match_whole_copy(cname: str, shuffle: int, typesize: int,
             frames.append(_encode(codec, _data(kind, nbytes, seed=i)))
         with _split_mode("ALWAYS"):  # split blocks for every compressor
             frames.append(_encode(codec, _data("smooth", nbytes, seed=3)))
-        streams = _sparse_check(frames, nbytes, seed=nbytes)
+        streams = _arena_check(frames, nbytes, seed=nbytes)
         assert streams.memcpyed[2]
     codec = numcodecs.Blosc(cname, 5, shuffle, blocksize=blocksize, typesize=typesize)
-    _sparse_check([_encode(codec, _data("smooth", 30_000))] * 3, 30_000)  # one frame, 3 times
+    _arena_check([_encode(codec, _data("smooth", 30_000))] * 3, 30_000)  # one frame, 3 times
 
 
-def test_sparse_tables_mixed_batch():
+def test_parse_arena_mixed_batch():
     """Frames of one batch with different layouts, blocks out of order, split or not."""
     nbytes = 300_003
     codecs = [
@@ -560,16 +563,25 @@ def test_sparse_tables_mixed_batch():
         np.concatenate([frame[:16], np.asarray(new_starts[::-1], "<i4").view(np.uint8), *pieces])
     )
     for seed in range(3):
-        _sparse_check(frames, nbytes, seed)
-        _sparse_check(frames[::-1], nbytes, seed)
+        _arena_check(frames, nbytes, seed)
+        _arena_check(frames[::-1], nbytes, seed)
 
 
-def test_sparse_tables_empty():
+def test_parse_arena_empty():
     codec = numcodecs.Blosc("zstd", 5, numcodecs.Blosc.SHUFFLE)
     frames = [_encode(codec, np.zeros(0, np.float32))] * 2
-    assert _sparse_check(frames, 0).n_streams == 0
+    assert _arena_check(frames, 0).n_streams == 0
     none = np.zeros(0, dtype=np.int64)
-    assert sparse_tables(np.ones(5, np.uint8), none, none, 10).tolist() == [0] * 5
+    assert parse_arena(np.ones(5, np.uint8), none, none, [], 10).n_frames == 0
+
+
+def test_parse_arena_rejects_frames_outside_the_arena():
+    arena = np.zeros(64, np.uint8)
+    for offsets, sizes in [([60], [16]), ([-1], [16]), ([0], [-3])]:
+        with pytest.raises(ValueError, match="inside the arena"):
+            parse_arena(arena, np.array(offsets), np.array(sizes), ["k"], 10)
+    with pytest.raises(ValueError, match="keys"):
+        parse_arena(arena, np.array([0]), np.array([16]), ["a", "b"], 10)
 
 
 def _damaged(f: np.ndarray, nbytes: int) -> dict[str, np.ndarray]:
@@ -620,26 +632,27 @@ def _damaged(f: np.ndarray, nbytes: int) -> dict[str, np.ndarray]:
     return out
 
 
-def test_sparse_tables_damaged(frame: tuple[np.ndarray, int]):
+def test_parse_arena_damaged(frame: tuple[np.ndarray, int]):
     """A damaged frame among good ones: the same error, naming the same chunk, from the
-    sparse copy as from the whole arena (or the same streams, where the damage only shows
-    when decoding)."""
+    arena as from host copies of the frames (or the same streams, where the damage only
+    shows when decoding), and no byte outside the frames is read."""
     f, nbytes = frame
     for name, bad in _damaged(f, nbytes).items():
         for frames in ([f, bad, f], [bad], [bad, bad[::-1].copy()]):
             arena, offsets, sizes, junk = _lay_out(frames)
             keys = [f"d/{i}" for i in range(len(frames))]
-            sparse = sparse_tables(arena, offsets, sizes, nbytes)
-            assert not sparse[junk].any()
+            xp = _CountingXp()
             try:
                 want = parse_frames(_views(arena, offsets, sizes), keys, nbytes)
             except ChunkDecodeError as err:
                 with pytest.raises(ChunkDecodeError) as info:
-                    parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
+                    parse_arena(arena, offsets, sizes, keys, nbytes, xp=xp)
                 assert (info.value.key, str(info.value)) == (err.key, str(err)), name
             else:
-                got = parse_frames(_views(sparse, offsets, sizes), keys, nbytes)
+                got = parse_arena(arena, offsets, sizes, keys, nbytes, xp=xp)
                 _assert_same_streams(got, want)
+            read = np.concatenate([np.zeros(0, np.int64), *xp.read])
+            assert not junk[read].any(), name
 
 
 # --- many frames at once ---------------------------------------------------------------------

@@ -40,8 +40,8 @@ what decides how a frame reads, whatever encoder wrote it:
 size, destination offset and size); the device layer decompresses the streams with nvCOMP
 into a ``(n_frames, nbytes)`` buffer and calls :func:`unshuffle` (numpy or CuPy) on it.
 :func:`decode_host` does the same on the host with numcodecs, as a reference.
-:func:`sparse_tables` brings to the host only the bytes of a device arena of frames that
-:func:`parse_frames` reads (headers, block-start tables, stream size prefixes).
+:func:`parse_arena` parses frames that lie in a device arena, bringing to the host only
+the bytes the parser reads (headers, block-start tables, stream size prefixes).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ __all__ = [
     "BATCHED_CNAMES",
     "BloscStreams",
     "decode_host",
+    "parse_arena",
     "parse_frames",
-    "sparse_tables",
     "unshuffle",
 ]
 
@@ -232,9 +232,37 @@ def _words(flat: np.ndarray) -> np.ndarray:
     return np.ndarray(shape=(max(flat.size - 3, 0),), dtype="<i4", buffer=flat, strides=(1,))
 
 
-def _read_i32(words: list[np.ndarray], which: np.ndarray, at: np.ndarray) -> np.ndarray:
+class _Arena:
+    """The bytes of one arena of frames (numpy or CuPy), read four at a time by gathers.
+
+    Stands in for the buffers of :func:`_buffers` when the frames lie in a device arena:
+    each :func:`_read_i32` is one gather on ``xp`` and one copy of its bytes to the host,
+    so that only the bytes the parser reads (headers, block starts, stream sizes) leave
+    the device.
+    """
+
+    def __init__(self, arena: Any, xp: Any) -> None:
+        self.arena = arena
+        self.xp = xp
+
+    def read_i32(self, at: np.ndarray) -> np.ndarray:
+        if not at.size:
+            return np.zeros(0, dtype=np.int64)
+        if int(at.min()) < 0 or int(at.max()) + 4 > int(self.arena.size):
+            # the parser reads only inside frames checked to lie in the arena
+            raise ValueError("internal error: a Blosc table read outside the arena")
+        index = self.xp.asarray(at[:, None] + np.arange(4, dtype=np.int64))
+        got = self.arena[index]
+        host = self.xp.asnumpy(got) if hasattr(self.xp, "asnumpy") else np.asarray(got)
+        return np.ascontiguousarray(host, dtype=np.uint8).view("<i4").reshape(-1).astype(np.int64)
+
+
+def _read_i32(words: list[np.ndarray] | _Arena, which: np.ndarray, at: np.ndarray) -> np.ndarray:
     """The int32 at byte ``at`` of buffer ``which`` (see :func:`_buffers`), for each entry
-    (all in bounds), as int64: one gather per buffer involved."""
+    (all in bounds), as int64: one gather per buffer involved (or per call, for an
+    :class:`_Arena`, whose frames all lie in one buffer)."""
+    if isinstance(words, _Arena):
+        return words.read_i32(at)
     if len(words) == 1:
         return words[0][at].astype(np.int64)
     out = np.empty(at.size, dtype=np.int64)
@@ -288,7 +316,7 @@ _START, _PREFIX, _SIZE = 1, 2, 3  # what a damaged block got wrong first
 
 
 def _walk(
-    words: list[np.ndarray],
+    words: list[np.ndarray] | _Arena,
     which: np.ndarray,
     offset: np.ndarray,
     keys: Sequence[str],
@@ -420,14 +448,71 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
     if len(frames) != len(keys):
         raise ValueError(f"{len(frames)} frames but {len(keys)} keys")
     arrays = [_as_frame(f) for f in frames]
-    n = len(arrays)
     lengths = np.array([a.size for a in arrays], dtype=np.int64)
+    _check_lengths(lengths, keys)
+    words, which, offset = _buffers(arrays)
+    return _parse(words, which, offset, lengths, keys, nbytes)
+
+
+def parse_arena(
+    arena: Any,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    keys: Sequence[str],
+    nbytes: int,
+    *,
+    xp: Any = np,
+) -> BloscStreams:
+    """:func:`parse_frames` of the frames at ``offsets`` (of ``sizes`` bytes) of ``arena``,
+    reading only the bytes it needs from it.
+
+    The headers, then the block-start tables, then the size prefix of stream ``j`` of every
+    block for ``j = 0, 1, ...`` (at most 16 streams a block) are each fetched with one
+    gather on ``xp`` and one copy to the host: a few bytes per block leave the device
+    instead of the whole arena, and nothing is read past a damaged byte. Results and
+    errors are those of :func:`parse_frames` on a host copy of the frames.
+
+    Parameters
+    ----------
+    arena : numpy.ndarray or cupy.ndarray
+        1-D uint8 holding the frames.
+    offsets, sizes : numpy.ndarray
+        int64 (host): start and size of each frame in ``arena``.
+    keys, nbytes :
+        As for :func:`parse_frames`.
+    xp : module
+        ``numpy`` or ``cupy``, the array module of ``arena``.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if len(offsets) != len(keys) or len(sizes) != len(keys):
+        raise ValueError(f"{len(offsets)} offsets and {len(sizes)} sizes but {len(keys)} keys")
+    if np.any(offsets < 0) or np.any(sizes < 0) or np.any(offsets + sizes > int(arena.size)):
+        raise ValueError("every frame must lie inside the arena")
+    _check_lengths(sizes, keys)
+    which = np.zeros(len(offsets), dtype=np.int64)
+    return _parse(_Arena(arena, xp), which, offsets, sizes, keys, nbytes)
+
+
+def _check_lengths(lengths: np.ndarray, keys: Sequence[str]) -> None:
     i = _first(lengths < HEADER_NBYTES)
     if i is not None:
         raise ChunkDecodeError(
             keys[i], _CODEC, f"{int(lengths[i])} bytes is too short for a Blosc header (16 bytes)"
         )
-    words, which, offset = _buffers(arrays)
+
+
+def _parse(
+    words: list[np.ndarray] | _Arena,
+    which: np.ndarray,
+    offset: np.ndarray,
+    lengths: np.ndarray,
+    keys: Sequence[str],
+    nbytes: int,
+) -> BloscStreams:
+    """:func:`parse_frames` once the frames are placed: frame ``i`` is ``lengths[i]``
+    bytes (at least a header) at byte ``offset[i]`` of buffer ``which[i]`` of ``words``."""
+    n = len(lengths)
     head = _read_i32(words, np.repeat(which, 4), (offset[:, None] + np.arange(0, 16, 4)).ravel())
     head = head.reshape(n, 4)
     version, versionlz = head[:, 0] & 0xFF, (head[:, 0] >> 8) & 0xFF
@@ -530,133 +615,6 @@ def parse_frames(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> Blo
         memcpyed=memcpyed,
         cname=cname,
     )
-
-
-def _to_host(a: Any, xp: Any) -> np.ndarray:
-    """``a`` (an array of ``xp``) as a host numpy array."""
-    if hasattr(xp, "asnumpy"):
-        host: np.ndarray = xp.asnumpy(a)
-        return host
-    return np.asarray(a)
-
-
-def _fetch(arena: Any, sparse: np.ndarray, starts: np.ndarray, width: int, xp: Any) -> np.ndarray:
-    """Copy the ``width`` bytes at each offset ``starts`` of ``arena`` into ``sparse``.
-
-    One gather on ``xp`` and one copy to the host; returns the bytes, ``(len(starts),
-    width)`` uint8 (every offset must lie in the arena).
-    """
-    if not starts.size:
-        return np.zeros((0, width), dtype=np.uint8)
-    index = xp.asarray(starts)[:, None] + xp.arange(width, dtype=starts.dtype)[None, :]
-    got = np.ascontiguousarray(_to_host(arena[index], xp)).reshape(-1, width)
-    sparse[starts[:, None] + np.arange(width)] = got
-    return got
-
-
-def sparse_tables(
-    arena: Any, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, *, xp: Any = np
-) -> np.ndarray:
-    """The bytes of the frames in ``arena`` that :func:`parse_frames` reads, on the host.
-
-    Returns a host array the size of ``arena``, zero everywhere except at the bytes
-    :func:`parse_frames` reads from the frames at ``offsets`` (their headers, block-start
-    tables and stream size prefixes), which hold the arena's values: so
-    ``parse_frames([out[o : o + n] for o, n in ...], keys, nbytes)`` lists the same streams,
-    or raises the same error, as it would on a whole copy of the arena, for a few bytes
-    per block copied instead of all of them. The payloads are not copied.
-
-    The bytes are fetched in rounds, each one gather on ``xp`` and one copy to the host:
-    the headers, then the block-start tables, then the size prefix of stream ``j`` of
-    every block for ``j = 0, 1, ...`` (a stream starts where the one before it ends; at
-    most 16 streams per block). Frames and blocks are followed only as far as their
-    bytes are valid; past that, :func:`parse_frames` raises before reading further, and
-    it is left to name the damage.
-
-    Parameters
-    ----------
-    arena : numpy.ndarray or cupy.ndarray
-        1-D uint8, the frames at ``offsets``.
-    offsets, sizes : numpy.ndarray
-        int64 (host): start (non-negative) and size of each frame in ``arena``.
-    nbytes : int
-        Decoded size every frame must have, as given to :func:`parse_frames`.
-    xp : module
-        ``numpy`` or ``cupy``, the array module of ``arena``.
-
-    Returns
-    -------
-    numpy.ndarray
-        1-D uint8 of ``arena.size`` bytes (allocated with ``np.zeros``: pages never written
-        are never touched).
-    """
-    total = int(arena.size)
-    sparse = np.zeros(total, dtype=np.uint8)
-    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
-    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
-    # the size of each frame as parse_frames sees it: a slice of the host arena
-    lengths = np.clip(np.minimum(offsets + sizes, total) - offsets, 0, None)
-
-    # round 1: the headers (frames too short for one fail on their size alone)
-    frames = np.flatnonzero(lengths >= HEADER_NBYTES)
-    heads = _fetch(arena, sparse, offsets[frames], HEADER_NBYTES, xp)
-    if nbytes <= 0 or not frames.size:
-        return sparse
-
-    # round 2: the block-start tables of the frames whose header parse_frames accepts
-    flags, typesize = heads[:, 2].astype(np.int64), heads[:, 3].astype(np.int64)
-    words = np.ascontiguousarray(heads[:, 4:16]).view("<i4").astype(np.int64)
-    h_nbytes, blocksize, cbytes = words[:, 0], words[:, 1], words[:, 2]
-    length = lengths[frames]
-    nblocks = -(-nbytes // np.maximum(blocksize, 1))
-    split = (
-        ((flags & _DONT_SPLIT) == 0)
-        & (typesize <= _MAX_SPLITS)
-        & (blocksize // np.maximum(typesize, 1) >= _MIN_SPLIT_ELEMENTS)
-    )
-    valid = (
-        (heads[:, 0] == FORMAT_VERSION)
-        & (heads[:, 1] == 1)
-        & ((flags & (_RESERVED | _MEMCPYED)) == 0)
-        & ((flags >> 5) < len(CNAMES))
-        & (typesize > 0)
-        & (h_nbytes == nbytes)
-        & (cbytes == length)
-        & (blocksize > 0)
-        & (blocksize <= nbytes)
-        & (cbytes >= HEADER_NBYTES + 4 * nblocks)
-        & ~(split & (blocksize % np.maximum(typesize, 1) != 0))
-    )
-    keep = np.flatnonzero(valid)
-    if not keep.size:
-        return sparse
-    counts = nblocks[keep]
-    owner = np.repeat(keep, counts)  # per block: its frame, as a row of `heads`
-    block = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
-    base = offsets[frames][owner]  # per block: where its frame starts in the arena
-    table = _fetch(arena, sparse, base + HEADER_NBYTES + 4 * block, 4, xp)
-    starts = table.view("<i4").reshape(-1).astype(np.int64)
-
-    # rounds 3...: the size prefix of stream j of every block, j = 0, 1, ...
-    bs, frame_nbytes = blocksize[owner], length[owner]
-    full = np.minimum(bs, nbytes - block * bs) == bs  # a short last block is never split
-    per_block = np.where(split[owner] & full, typesize[owner], 1)
-    table_end = HEADER_NBYTES + 4 * nblocks[owner]
-    alive = (starts >= table_end) & (starts <= frame_nbytes - 4)
-    pos = starts  # in the frame
-    for j in range(int(per_block.max())):
-        rows = np.flatnonzero(alive & (per_block > j) & (pos + 4 <= frame_nbytes))
-        if not rows.size:
-            break
-        p = pos[rows]
-        size = _fetch(arena, sparse, base[rows] + p, 4, xp).view("<i4").reshape(-1)
-        size = size.astype(np.int64)
-        ok = (size > 0) & (p + 4 + size <= frame_nbytes[rows])
-        alive[rows[~ok]] = False  # parse_frames stops at this stream
-        pos[rows[ok]] = p[ok] + 4 + size[ok]
-    return sparse
 
 
 def _per_frame(value: Any, n: int, name: str) -> np.ndarray:

@@ -399,9 +399,8 @@ def decode_blosc(
     """Decode Blosc frames at ``offsets`` of ``batch`` into a ``(n, nbytes)`` CuPy array.
 
     The bytes of the frames that describe their streams (headers, block-start tables,
-    stream size prefixes: :func:`xarray_gds.codecs.blosc.sparse_tables`, a few gathers)
-    come to the host to check and list the streams
-    (:func:`xarray_gds.codecs.blosc.parse_frames`, before anything reads them on the
+    stream size prefixes) come to the host, a few gathers, to check and list the streams
+    (:func:`xarray_gds.codecs.blosc.parse_arena`, before anything reads them on the
     device); then one gather copies the raw streams, one nvCOMP call per stream format
     decodes the others (LZ4 blocks, zstd frames, zlib streams as raw deflate), and
     CuPy undoes the byte or bit shuffle of every block.
@@ -413,10 +412,8 @@ def decode_blosc(
     out = cp.empty((m, nbytes), dtype=cp.uint8)
     if not m:
         return out
-    # only the bytes parse_frames reads, not the payloads: zeros elsewhere
-    host = blosc.sparse_tables(batch.arena, offsets, sizes, nbytes, xp=cp)
-    frames = [host[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True)]
-    streams = blosc.parse_frames(frames, keys, nbytes)
+    # only the bytes the parser reads come to the host, not the payloads
+    streams = blosc.parse_arena(batch.arena, offsets, sizes, keys, nbytes, xp=cp)
     flat = out.reshape(-1)
     src = offsets[streams.chunk] + streams.src
     dst = streams.chunk * nbytes + streams.dst
