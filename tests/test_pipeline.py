@@ -18,6 +18,7 @@ from xarray_gds import pipeline
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, crc32c, plan_chain
 from xarray_gds.codecs.filters import Undelta, Unshuffle
 from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.store import GdsStore
 
 from .conftest import STORE_CASES, to_numpy
 
@@ -77,12 +78,12 @@ def test_integer_delta_is_device_ready(store_factory: Callable) -> None:
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Sizes of the batched reads of t2m's chunks."""
     calls: list[int] = []
-    real = pipeline._decode_and_scatter
+    real = pipeline.decode_fetched
 
-    def spy(chain: Any, batch: list, keys: list, *args: Any) -> Any:
+    def spy(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         if keys[0].startswith("t2m/"):
-            calls.append(len(batch))
-        return real(chain, batch, keys, *args)
+            calls.append(len(keys))
+        return real(chain, fetched, keys, *args)
 
     real_shards = pipeline._shards_sync
 
@@ -91,7 +92,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(len(part))
         return real_shards(chain, part, *args)
 
-    monkeypatch.setattr(pipeline, "_decode_and_scatter", spy)
+    monkeypatch.setattr(pipeline, "decode_fetched", spy)
     monkeypatch.setattr(pipeline, "_shards_sync", spy_shards)
     return calls
 
@@ -353,34 +354,40 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
     assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)
 
 
+@pytest.mark.parametrize("route", ["box", "zarr"])
 def test_large_reads_overlap_fetch_and_decode(
-    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str
+    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str, route: str
 ) -> None:
-    """A read split into parts fetches part k + 1 while part k decodes."""
+    """A read split into parts fetches part k + 1 while part k decodes, whether it goes
+    through xarray_gds.region (a box) or through zarr's indexing and the pipeline."""
     import threading
 
+    import xarray_gds.array
+
+    if route == "zarr":
+        monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
     monkeypatch.setattr(pipeline, "_MIN_PART_BYTES", 1)
     monkeypatch.setenv("XARRAY_GDS_PIPELINE_PARTS", "3")
     fetch_started: list[threading.Event] = [threading.Event() for _ in range(3)]
     parts: list[int] = []
-    real_fetch, real_decode = pipeline._fetch, pipeline._decode_and_scatter
+    real_fetch, real_decode = GdsStore.read_chunks, pipeline.decode_fetched
 
-    async def spy_fetch(part: list, keys: list, on_device: bool) -> Any:
+    def spy_fetch(store: GdsStore, keys: list, device: str) -> Any:
         if keys[0].startswith("t2m/"):
             fetch_started[sum(e.is_set() for e in fetch_started)].set()
-        return await real_fetch(part, keys, on_device)
+        return real_fetch(store, keys, device)
 
-    def spy_decode(chain: Any, batch: list, keys: list, *args: Any) -> Any:
+    def spy_decode(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         if keys[0].startswith("t2m/"):
             k = len(parts)
-            parts.append(len(batch))
+            parts.append(len(keys))
             if k + 1 < 3:
                 # the next part's read is already under way while this part decodes
                 assert fetch_started[k + 1].wait(timeout=30)
-        return real_decode(chain, batch, keys, *args)
+        return real_decode(chain, fetched, keys, *args)
 
-    monkeypatch.setattr(pipeline, "_fetch", spy_fetch)
-    monkeypatch.setattr(pipeline, "_decode_and_scatter", spy_decode)
+    monkeypatch.setattr(GdsStore, "read_chunks", spy_fetch)
+    monkeypatch.setattr(pipeline, "decode_fetched", spy_decode)
     got = xr.open_dataset(v3_store, engine="gds-zarr", device=device).t2m.load()
     assert parts == [9, 9, 9]
     xr.testing.assert_identical(got.as_numpy(), xr.open_dataset(v3_store, engine="zarr").t2m)

@@ -289,3 +289,13 @@ async def test_delete_dir_refuses_links_and_escaping_prefixes(tmp_path: Path) ->
     with pytest.raises(ValueError, match="invalid key"):
         await store.delete_dir("../sibling")
     assert (tmp_path / "sibling").is_dir()
+
+
+def test_pinned_staging_sizes_are_shared() -> None:
+    """Staging buffers come in powers of two (1 MiB at least), so that CuPy's pinned
+    pool hands a freed one to the next read of about the same size."""
+    from xarray_gds.store import _pinned_size
+
+    assert _pinned_size(0) == _pinned_size(1) == _pinned_size(1 << 20) == 1 << 20
+    assert _pinned_size((1 << 20) + 1) == _pinned_size(2 << 20) == 2 << 20
+    assert _pinned_size(15_000_000) == _pinned_size(16 << 20) == 16 << 20

@@ -10,6 +10,7 @@ from xarray.core import indexing
 
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
+from xarray_gds.region import read_box
 
 __all__ = ["GdsBackendArray", "HostDecodedArray"]
 
@@ -65,11 +66,17 @@ class GdsBackendArray(BackendArray):
             key, self.shape, indexing.IndexingSupport.VECTORIZED, method
         )
 
-    # Each reader returns raw values on the device; _finish decodes them.
+    # Each reader returns raw values on the device; _finish decodes them. Boxes of
+    # arrays with a batched plan skip zarr's per-chunk indexing (see xarray_gds.region).
     def _basic(self, key: tuple[Any, ...]) -> Any:
-        return self._finish(self._array.get_basic_selection(key, prototype=self._prototype()))
+        values = read_box(self._array, key, self._device)
+        if values is None:
+            values = self._array.get_basic_selection(key, prototype=self._prototype())
+        return self._finish(values)
 
     def _oindex(self, key: tuple[Any, ...]) -> Any:
+        if not any(isinstance(k, np.ndarray | list) for k in key):
+            return self._basic(key)
         return self._finish(self._array.get_orthogonal_selection(key, prototype=self._prototype()))
 
     def _vindex(self, key: tuple[Any, ...]) -> Any:

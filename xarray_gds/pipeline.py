@@ -46,7 +46,7 @@ from xarray_gds.codecs.encode import (
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import DeviceBatch, GdsStore, read_ranges_device, read_ranges_host
 
-__all__ = ["GdsCodecPipeline", "batch_bytes", "use_gds_pipeline"]
+__all__ = ["GdsCodecPipeline", "batch_bytes", "decode_fetched", "use_gds_pipeline"]
 
 _PATH = "xarray_gds.pipeline.GdsCodecPipeline"
 _ZARR_DEFAULT = "zarr.core.codec_pipeline.BatchedCodecPipeline"
@@ -617,6 +617,32 @@ def _untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
     return chunks.reshape((*grid, *chunks.shape[1:])).transpose(axes).reshape(shape)
 
 
+def decode_fetched(
+    chain: DecodeChain, fetched: Any, keys: Sequence[str], on_device: bool
+) -> tuple[list[int], Any]:
+    """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
+    whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
+    order; ``None`` when no chunk exists). ``fetched`` is what
+    :meth:`GdsStore.read_chunks` returns for ``keys`` on that side."""
+    xp = _device.array_module("cuda" if on_device else "cpu")
+    if on_device:
+        present = np.flatnonzero(fetched.sizes >= 0).tolist()
+    else:
+        present = [i for i, data in enumerate(fetched) if data is not None]
+    if not present:
+        return present, None
+    names = [keys[i] for i in present]
+    if on_device:
+        from xarray_gds.codecs import nvcomp
+
+        data = nvcomp.decode(chain, fetched, present, names)
+    else:
+        data = _decode_host(chain, [fetched[i] for i in present], names)
+    for f in chain.filters:
+        data = f.apply(data, xp)
+    return present, chain.finish(data, xp)
+
+
 def _decode_and_scatter(
     chain: DecodeChain,
     batch: list[Any],
@@ -627,21 +653,9 @@ def _decode_and_scatter(
     on_device: bool,
 ) -> tuple[GetResult, ...]:
     xp = _device.array_module("cuda" if on_device else "cpu")
-    if on_device:
-        from xarray_gds.codecs import nvcomp
-
-        present = np.flatnonzero(fetched.sizes >= 0).tolist()
-    else:
-        present = [i for i, data in enumerate(fetched) if data is not None]
+    present, chunks = decode_fetched(chain, fetched, keys, on_device)
     target = out.as_ndarray_like()
     if present:
-        if on_device:
-            data = nvcomp.decode(chain, fetched, present, [keys[i] for i in present])
-        else:
-            data = _decode_host(chain, [fetched[i] for i in present], [keys[i] for i in present])
-        for f in chain.filters:
-            data = f.apply(data, xp)
-        chunks = chain.finish(data, xp)
         entries = [batch[i] for i in present]
 
         def scatter(j: int) -> None:

@@ -171,14 +171,25 @@ class DeviceBatch:
 
 
 def _sizes(paths: list[str]) -> np.ndarray:
+    """Size of each file, -1 for missing ones (stat calls spread over the host pool: for
+    many small chunks, one after the other they cost as much as the reads)."""
+    from xarray_gds.codecs.host import parallel
+
     sizes = np.full(len(paths), -1, dtype=np.int64)
-    for i, path in enumerate(paths):
+
+    def one(i: int) -> None:
         try:
-            st = os.stat(path)
+            st = os.stat(paths[i])
         except (FileNotFoundError, NotADirectoryError):
-            continue
+            return
         if not stat.S_ISDIR(st.st_mode):
             sizes[i] = st.st_size
+
+    if len(paths) < 256:
+        for i in range(len(paths)):
+            one(i)
+    else:
+        parallel(one, len(paths))
     return sizes
 
 
@@ -277,6 +288,12 @@ def _read_kvikio(reads: list[tuple[Any, int, int, int]], arena: Any) -> None:
                 f.close()
 
 
+def _pinned_size(nbytes: int) -> int:
+    """Bytes of the pinned staging buffer of ``nbytes``: the next power of two (1 MiB at
+    least)."""
+    return 1 << max(20, (max(nbytes, 1) - 1).bit_length())
+
+
 def _read_staged(reads: list[tuple[Any, int, int, int]], arena: Any, total: int) -> None:
     """Threads read every range into one pinned host buffer; one copy to ``arena``."""
     from xarray_gds.codecs.host import parallel
@@ -284,7 +301,10 @@ def _read_staged(reads: list[tuple[Any, int, int, int]], arena: Any, total: int)
     cp = _device.cupy()
     import cupyx
 
-    pinned = cupyx.empty_pinned((total,), dtype=np.uint8)
+    # CuPy's pinned pool reuses a freed block only for a request of the same (rounded)
+    # size, and a new pinned allocation costs more than the reads: sizes rounded to a
+    # power of two let reads of stores of about the same size share blocks
+    pinned = cupyx.empty_pinned((_pinned_size(total),), dtype=np.uint8)[:total]
     view = memoryview(pinned)
     # ranges of one file together, so that each file is opened once
     by_file: dict[Any, list[tuple[int, int, int]]] = {}

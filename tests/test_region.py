@@ -1,0 +1,168 @@
+"""Box reads without zarr's indexing (xarray_gds.region) against zarr-python's reads."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from xarray_gds import GdsStore, pipeline
+from xarray_gds import device as _device
+from xarray_gds.codecs import DecodeChain
+from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.region import read_box
+
+from .conftest import STORE_CASES
+
+# boxes of t2m (time 10, lat 9, lon 12; chunks 4 x 4 x 5 in every sample store)
+BOXES: list[tuple[Any, ...]] = [
+    (slice(None), slice(None), slice(None)),
+    (3, slice(None), slice(None)),
+    (-1, -2, slice(None)),
+    (slice(2, 9), slice(None), slice(1, 11)),
+    (slice(4, 8), slice(4, 8), slice(5, 10)),  # exactly one chunk
+    (slice(9, 10), slice(8, 9), slice(11, 12)),  # the last element: an edge chunk
+    (0, 0, 0),
+    (slice(1, 3), 4, slice(-3, None)),
+]
+
+
+def _open(path: Path, name: str = "t2m") -> Any:
+    with use_gds_pipeline():
+        return zarr.open_group(GdsStore(path, read_only=True), mode="r")[name]
+
+
+def _reference(path: Path, key: tuple[Any, ...], name: str = "t2m") -> np.ndarray:
+    return np.asarray(zarr.open_group(path, mode="r")[name][key])
+
+
+def _batched(array: Any, device: str) -> bool:
+    chain = array.async_array.codec_pipeline.chain
+    return isinstance(chain, DecodeChain) and (device == "cpu" or chain.device_ready)
+
+
+@pytest.mark.parametrize(("zarr_format", "codec"), STORE_CASES)
+def test_boxes_match_zarr(store_factory: Callable, device: str, zarr_format: int, codec: str):
+    path = store_factory(zarr_format, codec)
+    array = _open(path)
+    for key in BOXES:
+        got = read_box(array, key, device)
+        if not _batched(array, device):
+            assert got is None  # sharded, or codecs without a batched decoder: zarr's path
+            continue
+        assert got is not None, key
+        assert isinstance(got, _device.array_module(device).ndarray)
+        want = _reference(path, key)
+        assert got.dtype == want.dtype.newbyteorder("=")
+        np.testing.assert_array_equal(_device.to_host(got), want, err_msg=str(key))
+
+
+def test_missing_chunks_read_as_the_fill_value(v3_store: Path, device: str) -> None:
+    """The sample t2m has one chunk never written (all NaN): read as its fill value."""
+    array = _open(v3_store)
+    key = (slice(None), slice(None), slice(None))
+    got = _device.to_host(read_box(array, key, device))
+    want = _reference(v3_store, key)
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        (slice(None, None, 2), slice(None), slice(None)),  # a step
+        (slice(5, 5), slice(None), slice(None)),  # empty
+        (10, slice(None), slice(None)),  # out of bounds: zarr raises
+        (np.array([0, 2]), slice(None), slice(None)),  # not a box
+        (slice(None), slice(None)),  # too few axes
+    ],
+)
+def test_other_selections_are_left_to_zarr(v3_store: Path, device: str, key: Any) -> None:
+    assert read_box(_open(v3_store), key, device) is None
+
+
+def test_arrays_zarr_opened_are_left_to_zarr(v3_store: Path, device: str) -> None:
+    array = zarr.open_group(v3_store, mode="r")["t2m"]  # zarr's pipeline and LocalStore
+    assert read_box(array, (slice(None),) * 3, device) is None
+
+
+def test_read_missing_chunks_false_is_left_to_zarr(v3_store: Path, device: str) -> None:
+    """zarr raises for missing chunks when its read_missing_chunks is off: its path reads."""
+    key = (slice(None),) * 3
+    with use_gds_pipeline():  # with_config builds the array's codec pipeline again
+        reads = _open(v3_store).with_config({"read_missing_chunks": True})
+        raises = _open(v3_store).with_config({"read_missing_chunks": False})
+    assert read_box(reads, key, device) is not None
+    assert read_box(raises, key, device) is None
+
+
+def test_parts_are_bounded(monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str) -> None:
+    """A box larger than the batch budget reads in parts of whole rows of chunks; when
+    a single row does not fit, zarr's path (which splits finer) takes the read."""
+    decoded: list[int] = []
+    real = pipeline.decode_fetched
+
+    def spy(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
+        decoded.append(len(keys))
+        return real(chain, fetched, keys, *args)
+
+    monkeypatch.setattr(pipeline, "decode_fetched", spy)
+    array = _open(v3_store)
+    chunk = array.async_array.codec_pipeline.chain.nbytes  # decoded bytes of a chunk
+    key = (slice(None), slice(None), slice(None))
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(9 * chunk))  # one row: 3 x 3 chunks
+    got = read_box(array, key, device)
+    assert decoded == [9, 9, 9]
+    np.testing.assert_array_equal(_device.to_host(got), _reference(v3_store, key))
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(8 * chunk))
+    assert read_box(array, key, device) is None
+
+
+def test_damaged_chunk_is_named(tmp_path: Path, v3_store: Path, device: str) -> None:
+    path = tmp_path / "damaged.zarr"
+    shutil.copytree(v3_store, path)
+    (path / "t2m" / "c" / "1" / "1" / "1").write_bytes(b"\x28\xb5\x2f\xfd garbage")
+    array = _open(path)
+    with pytest.raises(ChunkDecodeError, match="t2m/c/1/1/1"):
+        read_box(array, (slice(None),) * 3, device)
+    # the next read in the same process works
+    key = (slice(0, 4), slice(None), slice(None))
+    got = _device.to_host(read_box(array, key, device))
+    np.testing.assert_array_equal(got, _reference(v3_store, key))
+
+
+def test_integer_axes_are_dropped(v3_store: Path, device: str) -> None:
+    got = read_box(_open(v3_store), (np.int64(2), slice(1, 4), 7), device)
+    assert got.shape == (3,)
+    want = _reference(v3_store, (2, slice(1, 4), 7))
+    np.testing.assert_array_equal(_device.to_host(got), want)
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "encoding"),
+    [
+        (3, {"name": "default", "separator": "/"}),
+        (3, {"name": "default", "separator": "."}),
+        (3, {"name": "v2", "separator": "."}),
+        (3, {"name": "v2", "separator": "/"}),
+        (2, {"name": "v2", "separator": "/"}),
+        (2, {"name": "v2", "separator": "."}),
+    ],
+)
+def test_chunk_key_encodings(tmp_path: Path, device: str, zarr_format: int, encoding: dict):
+    """Keys built for a box are zarr's own, whatever the chunk key encoding."""
+    values = np.arange(7 * 11 * 13, dtype="i4").reshape(7, 11, 13)
+    kwargs: dict[str, Any] = {"chunk_key_encoding": encoding}
+    root = zarr.open_group(tmp_path / "keys.zarr", mode="w", zarr_format=zarr_format)
+    root.create_array("v", shape=values.shape, chunks=(2, 3, 4), dtype="i4", **kwargs)[...] = values
+    array = _open(tmp_path / "keys.zarr", "v")
+    key = (slice(1, 6), slice(None), slice(2, 12))
+    got = read_box(array, key, device)
+    assert got is not None
+    np.testing.assert_array_equal(_device.to_host(got), values[key])

@@ -1,0 +1,211 @@
+"""Reads of a box of an array without zarr's per-chunk indexing.
+
+zarr's ``get_basic_selection`` builds, in Python, a store path, a chunk selection and
+an output selection for every chunk a read touches: 10-25 us a chunk, more than the
+read and the decode of a small chunk. For a box (integers and slices of step 1) of an
+array that :class:`~xarray_gds.pipeline.GdsCodecPipeline` decodes in batches from a
+:class:`~xarray_gds.store.GdsStore`, :func:`read_box` lists the chunks the box touches
+with numpy, reads and decodes them as the pipeline does (same batches, same errors),
+and places them in the output with one reshape a part on the GPU (one a row of chunks,
+in threads, on the host). What is left per chunk is its key and its file read.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from xarray_gds import device as _device
+from xarray_gds import pipeline
+from xarray_gds.codecs import DecodeChain, host
+from xarray_gds.store import GdsStore
+
+__all__ = ["read_box"]
+
+
+@dataclass(frozen=True)
+class _Box:
+    """A box of an array and the grid of chunks it touches."""
+
+    start: tuple[int, ...]  #: first element of the box on each axis
+    stop: tuple[int, ...]  #: one past its last element
+    drop: tuple[int, ...]  #: axes indexed by an integer (dropped from the result)
+    lo: tuple[int, ...]  #: first chunk touched on each axis
+    grid: tuple[int, ...]  #: chunks touched on each axis
+
+
+def _box(key: tuple[Any, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> _Box | None:
+    """The box ``key`` selects, or None when it is not one (or is empty)."""
+    if len(key) != len(shape) or not shape:
+        return None
+    start, stop, drop = [], [], []
+    for axis, (k, size) in enumerate(zip(key, shape, strict=True)):
+        if isinstance(k, slice):
+            a, b, step = k.indices(size)
+            if step != 1 or b <= a:
+                return None
+        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+            a = int(k) + (size if k < 0 else 0)
+            if not 0 <= a < size:
+                return None  # zarr raises its own IndexError
+            b = a + 1
+            drop.append(axis)
+        else:
+            return None
+        start.append(a)
+        stop.append(b)
+    lo = tuple(a // c for a, c in zip(start, chunks, strict=True))
+    hi = tuple(-(-b // c) for b, c in zip(stop, chunks, strict=True))
+    grid = tuple(h - low for h, low in zip(hi, lo, strict=True))
+    return _Box(tuple(start), tuple(stop), tuple(drop), lo, grid)
+
+
+def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | None:
+    """The values of ``array[key]`` on ``device``, read through the batched decode, or
+    ``None`` when this read is not for it (zarr's own indexing then does it).
+
+    It is for boxes (integers, and slices of step 1) of arrays whose codec pipeline is a
+    :class:`~xarray_gds.pipeline.GdsCodecPipeline` with a batched plan that runs on
+    ``device``, stored in a :class:`~xarray_gds.store.GdsStore`, when a row of the
+    touched chunks (all those that share a chunk index on the first axis) fits in one
+    batch. Missing chunks read as the fill value, as zarr reads them.
+
+    Parameters
+    ----------
+    array : zarr.Array
+    key : tuple
+        One integer or slice per axis.
+    device : {"cuda", "cpu"}
+
+    Returns
+    -------
+    cupy.ndarray, numpy.ndarray or None
+        The values in native byte order, integer-indexed axes dropped.
+    """
+    on_device = device == "cuda"
+    asynchronous = array.async_array
+    pipe = asynchronous.codec_pipeline
+    store = asynchronous.store_path.store
+    if not isinstance(pipe, pipeline.GdsCodecPipeline) or not isinstance(store, GdsStore):
+        return None
+    chain = pipe.chain
+    if not isinstance(chain, DecodeChain) or (on_device and not chain.device_ready):
+        return None
+    if getattr(array.config, "read_missing_chunks", True) is False:
+        return None  # zarr raises for missing chunks then
+    box = _box(tuple(key), tuple(array.shape), chain.chunk_shape)
+    if box is None:
+        return None
+    row = math.prod(box.grid[1:])
+    rows_per_part = pipeline._part_chunks(row * box.grid[0], chain.nbytes, on_device) // row
+    if rows_per_part < 1:
+        return None  # zarr's path splits finer than a row of chunks
+    reader = _Reader(array, store, chain, box, on_device)
+    xp = _device.array_module(device)
+    shape = tuple(b - a for a, b in zip(box.start, box.stop, strict=True))
+    out = xp.empty(shape, dtype=chain.dtype.newbyteorder("="))
+    parts = [(r, min(r + rows_per_part, box.grid[0])) for r in range(0, box.grid[0], rows_per_part)]
+    if len(parts) == 1:
+        reader.place(out, *parts[0], reader.fetch(*parts[0]))
+    else:  # part k + 1 is read while part k decodes, as in the pipeline
+        with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-box") as pool:
+            pending = pool.submit(reader.fetch, *parts[0])
+            for k, (r0, r1) in enumerate(parts):
+                fetched = pending.result()
+                if k + 1 < len(parts):
+                    pending = pool.submit(reader.fetch, *parts[k + 1])
+                reader.place(out, r0, r1, fetched)
+    if box.drop:
+        out = out.squeeze(axis=box.drop)
+    return out
+
+
+class _Reader:
+    """Fetches, decodes and places the rows ``r0:r1`` (relative to the box) of chunks."""
+
+    def __init__(
+        self, array: Any, store: GdsStore, chain: DecodeChain, box: _Box, on_device: bool
+    ) -> None:
+        self.store = store
+        self.chain = chain
+        self.box = box
+        self.on_device = on_device
+        self.xp = _device.array_module("cuda" if on_device else "cpu")
+        metadata = array.metadata
+        self.encode = metadata.encode_chunk_key
+        path = array.async_array.store_path.path
+        self.prefix = f"{path}/" if path else ""
+        fill = metadata.fill_value
+        self.fill = metadata.dtype.default_scalar() if fill is None else fill
+
+    def keys(self, r0: int, r1: int) -> list[str]:
+        box = self.box
+        axes = [np.arange(box.lo[0] + r0, box.lo[0] + r1)]
+        axes += [np.arange(low, low + g) for low, g in zip(box.lo[1:], box.grid[1:], strict=True)]
+        coords = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
+        rows = coords.tolist()
+        prefix, lead, sep = self.prefix, *self._scheme(rows)
+        if sep is None:
+            return [prefix + self.encode(tuple(c)) for c in rows]
+        return [prefix + lead + sep.join(map(str, c)) for c in rows]
+
+    def _scheme(self, rows: list[list[int]]) -> tuple[str, str | None]:
+        """``(lead, separator)`` such that a chunk's key is ``lead`` then its indices
+        joined by ``separator`` (zarr's "default" and "v2" encodings), checked against
+        zarr's own encoding of the first and last chunk; ``(.., None)`` otherwise."""
+        ndim = len(rows[0])
+        probe = self.encode(tuple(range(1, ndim + 1)))
+        for sep in ("/", "."):
+            joined = sep.join(str(i) for i in range(1, ndim + 1))
+            if probe.endswith(joined):
+                lead = probe[: len(probe) - len(joined)]
+                if all(
+                    lead + sep.join(map(str, c)) == self.encode(tuple(c))
+                    for c in (rows[0], rows[-1])
+                ):
+                    return lead, sep
+        return "", None
+
+    def fetch(self, r0: int, r1: int) -> tuple[list[str], Any]:
+        keys = self.keys(r0, r1)
+        return keys, self.store.read_chunks(keys, "cuda" if self.on_device else "cpu")
+
+    def place(self, out: Any, r0: int, r1: int, fetched: tuple[list[str], Any]) -> None:
+        """Decode the fetched rows and copy the part of the box they hold into ``out``."""
+        keys, data = fetched
+        chain, box, xp = self.chain, self.box, self.xp
+        present, chunks = pipeline.decode_fetched(chain, data, keys, self.on_device)
+        if len(present) < len(keys):  # missing chunks read as the fill value
+            whole = xp.full((len(keys), *chain.chunk_shape), self.fill, dtype=out.dtype)
+            if present:
+                whole[xp.asarray(present)] = chunks
+            chunks = whole
+        row = math.prod(box.grid[1:])
+        cs = chain.chunk_shape
+
+        def rows(a: int, b: int) -> None:
+            """Copy chunk rows ``r0 + a .. r0 + b`` of the box into ``out``."""
+            grid = (b - a, *box.grid[1:])
+            block = pipeline._untile(
+                chunks[a * row : b * row], grid, tuple(g * c for g, c in zip(grid, cs, strict=True))
+            )
+            origin = [(box.lo[0] + r0 + a) * cs[0]]  # of the block, in the array
+            origin += [low * c for low, c in zip(box.lo[1:], cs[1:], strict=True)]
+            first = max(box.start[0], origin[0])
+            last = min(box.stop[0], origin[0] + grid[0] * cs[0])
+            src = [slice(first - origin[0], last - origin[0])]
+            src += [
+                slice(a_ - o, b_ - o)
+                for a_, b_, o in zip(box.start[1:], box.stop[1:], origin[1:], strict=True)
+            ]
+            out[first - box.start[0] : last - box.start[0]] = block[tuple(src)]
+
+        n_rows = r1 - r0
+        if self.on_device or n_rows == 1:
+            rows(0, n_rows)
+        else:  # numpy copies run without the GIL: one row of chunks a task
+            host.parallel(lambda i: rows(i, i + 1), n_rows)
