@@ -166,3 +166,33 @@ def test_chunk_key_encodings(tmp_path: Path, device: str, zarr_format: int, enco
     got = read_box(array, key, device)
     assert got is not None
     np.testing.assert_array_equal(_device.to_host(got), values[key])
+
+
+def test_outer_keys_without_arrays_read_as_boxes(
+    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str
+) -> None:
+    """xarray's outer indexers of integers and slices only take the box read; those with
+    an array take zarr's orthogonal selection."""
+    from xarray.core import indexing
+
+    import xarray_gds.array
+    from xarray_gds.array import GdsBackendArray
+
+    boxes: list[tuple[Any, ...]] = []
+
+    def spy(array: Any, key: tuple[Any, ...], dev: str) -> Any:
+        boxes.append(key)
+        return read_box(array, key, dev)
+
+    monkeypatch.setattr(xarray_gds.array, "read_box", spy)
+    backend = GdsBackendArray(_open(v3_store), "t2m", device)
+    key = (slice(1, 7), 2, slice(None))
+    got = backend[indexing.OuterIndexer(key)]
+    assert len(boxes) == 1
+    np.testing.assert_array_equal(_device.to_host(got), _reference(v3_store, key))
+    boxes.clear()
+    with_array = (np.array([0, 3, 9]), slice(None), slice(2, 8))
+    got = backend[indexing.OuterIndexer(with_array)]
+    assert not boxes
+    want = _reference(v3_store, (slice(None),) * 3)[np.ix_([0, 3, 9], range(9), range(2, 8))]
+    np.testing.assert_array_equal(_device.to_host(got), want)

@@ -299,3 +299,7 @@ def test_pinned_staging_sizes_are_shared() -> None:
     assert _pinned_size(0) == _pinned_size(1) == _pinned_size(1 << 20) == 1 << 20
     assert _pinned_size((1 << 20) + 1) == _pinned_size(2 << 20) == 2 << 20
     assert _pinned_size(15_000_000) == _pinned_size(16 << 20) == 16 << 20
+    assert _pinned_size(256 << 20) == 256 << 20
+    # past 256 MiB, multiples of 64 MiB: a large staged read pins at most a quarter more
+    assert _pinned_size((256 << 20) + 1) == 320 << 20
+    assert _pinned_size((1 << 30) + 1) == (1 << 30) + (64 << 20)
