@@ -10,7 +10,7 @@ from xarray.core import indexing
 
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
-from xarray_gds.region import read_box
+from xarray_gds.region import is_box_key, read_box
 
 __all__ = ["GdsBackendArray", "HostDecodedArray"]
 
@@ -75,7 +75,7 @@ class GdsBackendArray(BackendArray):
         return self._finish(values)
 
     def _oindex(self, key: tuple[Any, ...]) -> Any:
-        if all(_box_key(k) for k in key):  # integers and slices only: a basic key
+        if all(is_box_key(k) for k in key):  # integers and slices only: a basic key
             return self._basic(key)
         return self._finish(self._array.get_orthogonal_selection(key, prototype=self._prototype()))
 
@@ -111,11 +111,6 @@ class GdsBackendArray(BackendArray):
         if self._cf is not None:
             values = self._cf.apply(values, xp)
         return values
-
-
-def _box_key(k: Any) -> bool:
-    """Whether ``k`` is an integer or a slice (bools and arrays of any kind are not)."""
-    return isinstance(k, slice) or (isinstance(k, int | np.integer) and not isinstance(k, bool))
 
 
 def _coordinates(key: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:

@@ -24,7 +24,7 @@ from xarray_gds import pipeline
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.store import GdsStore
 
-__all__ = ["read_box"]
+__all__ = ["is_box_key", "read_box"]
 
 
 @dataclass(frozen=True)
@@ -38,24 +38,29 @@ class _Box:
     grid: tuple[int, ...]  #: chunks touched on each axis
 
 
+def is_box_key(k: Any) -> bool:
+    """Whether ``k`` is an integer or a slice (bools and arrays of any kind are not)."""
+    return isinstance(k, slice) or (isinstance(k, int | np.integer) and not isinstance(k, bool))
+
+
 def _box(key: tuple[Any, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> _Box | None:
     """The box ``key`` selects, or None when it is not one (or is empty)."""
     if len(key) != len(shape) or not shape:
         return None
     start, stop, drop = [], [], []
     for axis, (k, size) in enumerate(zip(key, shape, strict=True)):
+        if not is_box_key(k):
+            return None
         if isinstance(k, slice):
             a, b, step = k.indices(size)
             if step != 1 or b <= a:
                 return None
-        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+        else:
             a = int(k) + (size if k < 0 else 0)
             if not 0 <= a < size:
                 return None  # zarr raises its own IndexError
             b = a + 1
             drop.append(axis)
-        else:
-            return None
         start.append(a)
         stop.append(b)
     lo = tuple(a // c for a, c in zip(start, chunks, strict=True))
@@ -104,7 +109,8 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
     rows_per_part = pipeline._part_chunks(row * box.grid[0], chain.nbytes, on_device) // row
     if rows_per_part < 1:
         return None  # zarr's path splits finer than a row of chunks
-    reader = _Reader(array, store, chain, box, on_device)
+    path = asynchronous.store_path.path
+    reader = _Reader(array.metadata, f"{path}/" if path else "", store, chain, box, on_device)
     xp = _device.array_module(device)
     shape = tuple(b - a for a, b in zip(box.start, box.stop, strict=True))
     out = xp.empty(shape, dtype=chain.dtype.newbyteorder("="))
@@ -128,19 +134,40 @@ class _Reader:
     """Fetches, decodes and places the rows ``r0:r1`` (relative to the box) of chunks."""
 
     def __init__(
-        self, array: Any, store: GdsStore, chain: DecodeChain, box: _Box, on_device: bool
+        self,
+        metadata: Any,
+        prefix: str,
+        store: GdsStore,
+        chain: DecodeChain,
+        box: _Box,
+        on_device: bool,
     ) -> None:
         self.store = store
         self.chain = chain
         self.box = box
         self.on_device = on_device
         self.xp = _device.array_module("cuda" if on_device else "cpu")
-        metadata = array.metadata
         self.encode = metadata.encode_chunk_key
-        path = array.async_array.store_path.path
-        self.prefix = f"{path}/" if path else ""
+        self.prefix = prefix
         fill = metadata.fill_value
         self.fill = metadata.dtype.default_scalar() if fill is None else fill
+        first = box.lo
+        last = tuple(low + g - 1 for low, g in zip(box.lo, box.grid, strict=True))
+        self.lead, self.sep = self._scheme(first, last)
+
+    def _scheme(self, first: tuple[int, ...], last: tuple[int, ...]) -> tuple[str, str | None]:
+        """``(lead, separator)`` such that a chunk's key is ``lead`` then its indices
+        joined by ``separator`` (zarr's "default" and "v2" encodings), checked against
+        zarr's own encoding of the box's first and last chunk; ``(.., None)`` otherwise."""
+        ndim = len(first)
+        probe = self.encode(tuple(range(1, ndim + 1)))
+        for sep in ("/", "."):
+            joined = sep.join(str(i) for i in range(1, ndim + 1))
+            if probe.endswith(joined):
+                lead = probe[: len(probe) - len(joined)]
+                if all(lead + sep.join(map(str, c)) == self.encode(c) for c in (first, last)):
+                    return lead, sep
+        return "", None
 
     def keys(self, r0: int, r1: int) -> list[str]:
         box = self.box
@@ -148,27 +175,10 @@ class _Reader:
         axes += [np.arange(low, low + g) for low, g in zip(box.lo[1:], box.grid[1:], strict=True)]
         coords = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
         rows = coords.tolist()
-        prefix, lead, sep = self.prefix, *self._scheme(rows)
+        prefix, lead, sep = self.prefix, self.lead, self.sep
         if sep is None:
             return [prefix + self.encode(tuple(c)) for c in rows]
         return [prefix + lead + sep.join(map(str, c)) for c in rows]
-
-    def _scheme(self, rows: list[list[int]]) -> tuple[str, str | None]:
-        """``(lead, separator)`` such that a chunk's key is ``lead`` then its indices
-        joined by ``separator`` (zarr's "default" and "v2" encodings), checked against
-        zarr's own encoding of the first and last chunk; ``(.., None)`` otherwise."""
-        ndim = len(rows[0])
-        probe = self.encode(tuple(range(1, ndim + 1)))
-        for sep in ("/", "."):
-            joined = sep.join(str(i) for i in range(1, ndim + 1))
-            if probe.endswith(joined):
-                lead = probe[: len(probe) - len(joined)]
-                if all(
-                    lead + sep.join(map(str, c)) == self.encode(tuple(c))
-                    for c in (rows[0], rows[-1])
-                ):
-                    return lead, sep
-        return "", None
 
     def fetch(self, r0: int, r1: int) -> tuple[list[str], Any]:
         keys = self.keys(r0, r1)

@@ -185,11 +185,7 @@ def _sizes(paths: list[str]) -> np.ndarray:
         if not stat.S_ISDIR(st.st_mode):
             sizes[i] = st.st_size
 
-    if len(paths) < 256:
-        for i in range(len(paths)):
-            one(i)
-    else:
-        parallel(one, len(paths))
+    parallel(one, len(paths))
     return sizes
 
 
