@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import device as _device
-from xarray_gds import pipeline
+from xarray_gds import coalesce, pipeline
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.store import GdsStore
 
@@ -115,16 +115,18 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
     shape = tuple(b - a for a, b in zip(box.start, box.stop, strict=True))
     out = xp.empty(shape, dtype=chain.dtype.newbyteorder("="))
     parts = [(r, min(r + rows_per_part, box.grid[0])) for r in range(0, box.grid[0], rows_per_part)]
-    if len(parts) == 1:
-        reader.place(out, *parts[0], reader.fetch(*parts[0]))
+    if len(parts) == 1:  # joined with the reads other threads make meanwhile
+        keys = reader.keys(0, box.grid[0])
+        reader.place(out, 0, box.grid[0], coalesce.fetch_decode(store, chain, keys, on_device))
     else:  # part k + 1 is read while part k decodes, as in the pipeline
         with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-box") as pool:
             pending = pool.submit(reader.fetch, *parts[0])
             for k, (r0, r1) in enumerate(parts):
-                fetched = pending.result()
+                keys, data = pending.result()
                 if k + 1 < len(parts):
                     pending = pool.submit(reader.fetch, *parts[k + 1])
-                reader.place(out, r0, r1, fetched)
+                decoded = pipeline.decode_fetched(chain, data, keys, on_device)
+                reader.place(out, r0, r1, decoded)
     if box.drop:
         out = out.squeeze(axis=box.drop)
     return out
@@ -184,13 +186,14 @@ class _Reader:
         keys = self.keys(r0, r1)
         return keys, self.store.read_chunks(keys, "cuda" if self.on_device else "cpu")
 
-    def place(self, out: Any, r0: int, r1: int, fetched: tuple[list[str], Any]) -> None:
-        """Decode the fetched rows and copy the part of the box they hold into ``out``."""
-        keys, data = fetched
+    def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
+        """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
+        ``out``; ``decoded`` is what :func:`pipeline.decode_fetched` returns for them."""
         chain, box, xp = self.chain, self.box, self.xp
-        present, chunks = pipeline.decode_fetched(chain, data, keys, self.on_device)
-        if len(present) < len(keys):  # missing chunks read as the fill value
-            whole = xp.full((len(keys), *chain.chunk_shape), self.fill, dtype=out.dtype)
+        present, chunks = decoded
+        n_keys = (r1 - r0) * math.prod(box.grid[1:])
+        if len(present) < n_keys:  # missing chunks read as the fill value
+            whole = xp.full((n_keys, *chain.chunk_shape), self.fill, dtype=out.dtype)
             if present:
                 whole[xp.asarray(present)] = chunks
             chunks = whole

@@ -21,7 +21,14 @@ from xarray_gds import device as _device
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
-__all__ = ["DeviceBatch", "GdsStore", "is_metadata_key", "read_files_device", "read_files_host"]
+__all__ = [
+    "DeviceBatch",
+    "GdsStore",
+    "is_metadata_key",
+    "read_files_device",
+    "read_files_host",
+    "read_threads",
+]
 
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
@@ -171,8 +178,8 @@ class DeviceBatch:
 
 
 def _sizes(paths: list[str]) -> np.ndarray:
-    """Size of each file, -1 for missing ones (stat calls spread over the host pool: for
-    many small chunks, one after the other they cost as much as the reads)."""
+    """Size of each file, -1 for missing ones (``stat`` calls on :func:`read_threads`
+    threads for files of no size: one by default)."""
     from xarray_gds.codecs.host import parallel
 
     sizes = np.full(len(paths), -1, dtype=np.int64)
@@ -185,8 +192,28 @@ def _sizes(paths: list[str]) -> np.ndarray:
         if not stat.S_ISDIR(st.st_mode):
             sizes[i] = st.st_size
 
-    parallel(one, len(paths))
+    parallel(one, len(paths), read_threads(0))
     return sizes
+
+
+#: Mean file size from which staged reads use more than one thread by default.
+_THREADED_READ_BYTES = 64 << 10
+
+
+def read_threads(mean_bytes: float) -> int:
+    """Threads that read (or ``stat``) a batch of files of ``mean_bytes`` on average.
+
+    ``XARRAY_GDS_READ_THREADS`` when set; otherwise 1 for files under 64 KiB and 4 from
+    there. Each file costs a few system calls made from Python, and each call gives up
+    the GIL and takes it back: with many threads the handoffs cost more than the calls.
+    Measured on an H200 host (16 cores): loading 97,656 chunks of 1 KiB took 12.2 us a
+    chunk with 1 thread, 17.4 with 2 and 28.3 with 16; reading 7,600 files of 158 KB
+    into pinned memory 0.10 s with 4 threads and 0.17 s with 8, 16 or 32.
+    """
+    configured = os.environ.get("XARRAY_GDS_READ_THREADS")
+    if configured:
+        return max(1, int(configured))
+    return 1 if mean_bytes < _THREADED_READ_BYTES else 4
 
 
 def pack_offsets(sizes: np.ndarray, align: int = 16) -> tuple[np.ndarray, int]:
@@ -321,7 +348,7 @@ def _read_staged(reads: list[tuple[Any, int, int, int]], arena: Any, total: int)
         finally:
             os.close(fd)
 
-    parallel(one, len(files))
+    parallel(one, len(files), read_threads(total / len(reads)))
     stream = cp.cuda.get_current_stream()
     arena[:total].set(pinned, stream=stream)
     # the pinned buffer goes back to CuPy's pool when this returns: finish the copy
@@ -426,11 +453,15 @@ class GdsStore(LocalStore):
             ``"cuda"``: one :class:`DeviceBatch` read by kvikio. ``"cpu"``: a list
             of uint8 numpy arrays, ``None`` for missing keys.
         """
+        paths = self.chunk_paths(keys)
+        return read_files_device(paths) if device == "cuda" else read_files_host(paths)
+
+    def chunk_paths(self, keys: list[str]) -> list[str]:
+        """The files that hold ``keys`` (checked as :meth:`resolve` checks them)."""
         root = os.fspath(self.root)
         for key in keys:
             self._check_key(key)
-        paths = [f"{root}/{key}" for key in keys]  # str: pathlib costs more than the read
-        return read_files_device(paths) if device == "cuda" else read_files_host(paths)
+        return [f"{root}/{key}" for key in keys]  # str: pathlib costs more than the read
 
     def get_sync(
         self,

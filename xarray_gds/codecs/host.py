@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,23 +26,27 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="xarray-gds")
 
 
-def parallel(fn: Any, n: int) -> None:
+def parallel(fn: Any, n: int, workers: int | None = None) -> None:
     """Run ``fn(i)`` for ``i`` in ``range(n)`` on the pool, in a few contiguous blocks
     per worker (one future per block, not per item: per-item futures cost more than
-    decoding a small chunk)."""
-    if n < 4:
+    decoding a small chunk). ``workers`` caps the threads used (all the pool's by
+    default); with one, or fewer than 4 items, everything runs in the calling thread."""
+    if n < 4 or workers == 1:
         for i in range(n):
             fn(i)
         return
     pool = _pool()
-    blocks = min(n, 4 * pool._max_workers)
+    used = pool._max_workers if workers is None else max(1, min(workers, pool._max_workers))
+    blocks = min(n, 4 * used)
     edges = np.linspace(0, n, blocks + 1).astype(int)
+    claim = itertools.count()  # next() is atomic: each block runs once
 
-    def run(b: int) -> None:
-        for i in range(edges[b], edges[b + 1]):
-            fn(i)
+    def run() -> None:
+        while (b := next(claim)) < blocks:
+            for i in range(edges[b], edges[b + 1]):
+                fn(i)
 
-    futures = [pool.submit(run, b) for b in range(blocks)]
+    futures = [pool.submit(run) for _ in range(min(used, blocks))]
     concurrent.futures.wait(futures)  # all of them, even when one failed
     for future in futures:
         future.result()
