@@ -65,9 +65,9 @@ def test_open_is_lazy_and_reads_only_touched_chunks(v3_store: Path, device: str)
             reads.append(key)
             return super()._read(key, prototype, byte_range)
 
-        def read_chunks(self, keys, device):  # type: ignore[no-untyped-def]
-            reads.extend(keys)
-            return super().read_chunks(keys, device)
+        def chunk_paths(self, keys):  # type: ignore[no-untyped-def]
+            reads.extend(keys)  # every batched read (joined or not) asks for its files
+            return super().chunk_paths(keys)
 
     store = CountingStore(v3_store, read_only=True)
     ds = xr.open_dataset(store, engine="gds-zarr", device=device)

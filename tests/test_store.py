@@ -303,3 +303,31 @@ def test_pinned_staging_sizes_are_shared() -> None:
     # past 256 MiB, multiples of 64 MiB: a large staged read pins at most a quarter more
     assert _pinned_size((256 << 20) + 1) == 320 << 20
     assert _pinned_size((1 << 30) + 1) == (1 << 30) + (64 << 20)
+
+
+def test_read_threads_follow_file_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xarray_gds.store import read_threads
+
+    monkeypatch.delenv("XARRAY_GDS_READ_THREADS", raising=False)
+    assert read_threads(0) == 1  # stat calls, and files of 1 KiB: one thread
+    assert read_threads(1024) == 1
+    assert read_threads(160_000) == 4
+    monkeypatch.setenv("XARRAY_GDS_READ_THREADS", "8")
+    assert read_threads(1024) == 8
+
+
+def test_parallel_caps_its_threads() -> None:
+    """``workers=1`` runs in the calling thread; ``workers=2`` uses two pool threads at
+    most; every item runs once."""
+    import threading
+
+    from xarray_gds.codecs.host import parallel
+
+    for workers, most in ((1, 1), (2, 2)):
+        seen: list[tuple[int, int]] = []
+        parallel(lambda i, seen=seen: seen.append((i, threading.get_ident())), 200, workers)
+        assert sorted(i for i, _ in seen) == list(range(200))
+        threads = {t for _, t in seen}
+        assert len(threads) <= most
+        if workers == 1:
+            assert threads == {threading.get_ident()}

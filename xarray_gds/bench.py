@@ -135,6 +135,19 @@ def _load_gds(path: Path, device: str) -> Any:
     return ds["t"].data if device == "cpu" else ds["t"].variable.data
 
 
+def _load_gds_parts(path: Path, parts: int) -> Any:
+    """``_load_gds`` with every read split into ``parts`` overlapped parts."""
+    old = os.environ.get("XARRAY_GDS_PIPELINE_PARTS")
+    os.environ["XARRAY_GDS_PIPELINE_PARTS"] = str(parts)
+    try:
+        return _load_gds(path, "cuda")
+    finally:
+        if old is None:
+            del os.environ["XARRAY_GDS_PIPELINE_PARTS"]
+        else:
+            os.environ["XARRAY_GDS_PIPELINE_PARTS"] = old
+
+
 def _load_zarr(path: Path, to_gpu: bool) -> Any:
     ds = xr.open_dataset(path, engine="zarr", consolidated=True)
     values = ds["t"].values
@@ -177,17 +190,21 @@ _MF_OPTIONS: dict[str, Any] = {
 }
 
 
-def _mean_gds(paths: list[Path]) -> Any:
+def _mean_gds(paths: list[Path], parallel: bool = True) -> Any:
     from xarray_gds.chunks import GdsDaskManager
 
     ds = xr.open_mfdataset(
-        paths, engine="gds-zarr", chunked_array_type=GdsDaskManager(), **_MF_OPTIONS
+        paths,
+        engine="gds-zarr",
+        chunked_array_type=GdsDaskManager(),
+        parallel=parallel,
+        **_MF_OPTIONS,
     )
     return ds["t"].mean("time").compute().data
 
 
 def _mean_zarr(paths: list[Path]) -> Any:
-    ds = xr.open_mfdataset(paths, engine="zarr", **_MF_OPTIONS)
+    ds = xr.open_mfdataset(paths, engine="zarr", parallel=True, **_MF_OPTIONS)
     # cupy-xarray's ``as_cupy()`` does this: each dask block moves to the GPU
     cp = _device.cupy()
     t = ds["t"].copy(data=ds["t"].data.map_blocks(cp.asarray))
@@ -376,6 +393,7 @@ CASES: dict[str, dict[str, Any]] = {
         "store": {"chunk_bytes": 4 << 20},
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
+            "gds-zarr, 2 parts": lambda: _load_gds_parts(p, 2),
             "zarr": lambda: _load_zarr(p, True),
             "raw-limit": lambda: raw_limit(p),
         },
@@ -406,6 +424,7 @@ CASES: dict[str, dict[str, Any]] = {
         "store": {"chunk_bytes": 256 << 10},
         "contenders": lambda ps: {
             "gds-zarr": lambda: _mean_gds(ps),
+            "gds-zarr, parallel=False": lambda: _mean_gds(ps, parallel=False),
             "zarr": lambda: _mean_zarr(ps),
         },
     },

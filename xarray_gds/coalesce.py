@@ -129,28 +129,37 @@ def _serve_alone(r: _Request, fetched: Any = None) -> None:
         if fetched is None:
             fetched = _read(r.paths, r.on_device)
         r.result = pipeline.decode_fetched(r.chain, fetched, r.keys, r.on_device)
-    except Exception as err:  # noqa: BLE001 - raised in the thread that asked
+    except Exception as err:  # raised in the thread that asked
         r.error = err
 
 
 def _serve(group: list[_Request]) -> None:
-    if len(group) == 1:
-        _serve_alone(group[0])
-        return
-    on_device = group[0].on_device
-    try:
-        fetched = _read([p for r in group for p in r.paths], on_device)
-    except Exception:  # noqa: BLE001 - each request reads again, and keeps its own error
-        for r in group:
+    if len(group) > 1:
+        try:
+            _serve_joined(group)
+            return
+        except Exception:  # each request again alone, with its own error
+            pass
+    for r in group:
+        if r.result is None and r.error is None:
             _serve_alone(r)
-        return
-    by_chain: dict[DecodeChain, list[tuple[_Request, np.ndarray]]] = {}
+
+
+def _serve_joined(group: list[_Request]) -> None:
+    """One read of every request's files; one decode per decode chain."""
+    on_device = group[0].on_device
+    fetched = _read([p for r in group for p in r.paths], on_device)
+    by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
     start = 0
     for r in group:
         idx = np.arange(start, start + len(r.keys))
-        by_chain.setdefault(r.chain, []).append((r, idx))
         start += len(r.keys)
-    for chain, members in by_chain.items():
+        # chains compare equal across stores; they are not hashable (codec objects)
+        members = next((m for c, m in by_chain if c == r.chain), None)
+        if members is None:
+            by_chain.append((r.chain, members := []))
+        members.append((r, idx))
+    for chain, members in by_chain:
         _decode_members(chain, members, fetched, on_device)
 
 
@@ -171,7 +180,7 @@ def _decode_members(
         present, chunks = pipeline.decode_fetched(
             chain, _subset(fetched, idx, on_device), keys, on_device
         )
-    except Exception:  # noqa: BLE001 - find which request it was
+    except Exception:  # find which request it was
         for r, i in members:
             _serve_alone(r, _subset(fetched, i, on_device))
         return

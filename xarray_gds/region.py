@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds import device as _device
 from xarray_gds import coalesce, pipeline
+from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.store import GdsStore
 

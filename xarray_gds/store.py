@@ -457,7 +457,9 @@ class GdsStore(LocalStore):
         return read_files_device(paths) if device == "cuda" else read_files_host(paths)
 
     def chunk_paths(self, keys: list[str]) -> list[str]:
-        """The files that hold ``keys`` (checked as :meth:`resolve` checks them)."""
+        """The files that hold ``keys`` (checked as :meth:`resolve` checks them): what
+        every batched read of chunks (:meth:`read_chunks`, and the joined reads of
+        :mod:`xarray_gds.coalesce`) reads."""
         root = os.fspath(self.root)
         for key in keys:
             self._check_key(key)

@@ -1,0 +1,182 @@
+"""Box reads from several threads joined into one read and decode (xarray_gds.coalesce)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from xarray_gds import GdsStore, coalesce, pipeline
+from xarray_gds import device as _device
+from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.region import read_box
+
+ALL = (slice(None), slice(None), slice(None))
+
+
+def _open(path: Path) -> Any:
+    with use_gds_pipeline():
+        return zarr.open_group(GdsStore(path, read_only=True), mode="r")["t2m"]
+
+
+def _reference(path: Path) -> np.ndarray:
+    return np.asarray(zarr.open_group(path, mode="r")["t2m"][ALL])
+
+
+def _hold_first_read(monkeypatch: pytest.MonkeyPatch, others: int) -> list[int]:
+    """Make the first joined read wait until ``others`` requests queue behind it, so
+    that they are served together; returns the number of files of every read."""
+    calls: list[int] = []
+    real = coalesce._read
+
+    def read(paths: list[str], on_device: bool) -> Any:
+        calls.append(len(paths))
+        if len(calls) == 1:
+            deadline = time.monotonic() + 20
+            while len(coalesce._waiting) < others and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return real(paths, on_device)
+
+    monkeypatch.setattr(coalesce, "_read", read)
+    return calls
+
+
+def _decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = pipeline.decode_fetched
+
+    def spy(chain: Any, fetched: Any, keys: Any, on_device: bool) -> Any:
+        calls.append(len(keys))
+        return real(chain, fetched, keys, on_device)
+
+    monkeypatch.setattr(pipeline, "decode_fetched", spy)
+    return calls
+
+
+def _read_all(paths: list[Path], device: str) -> list[Any]:
+    """``read_box`` of every store's whole t2m, each from its own thread at once."""
+    arrays = [_open(p) for p in paths]
+
+    def one(array: Any) -> Any:
+        try:
+            return _device.to_host(read_box(array, ALL, device))
+        except Exception as err:  # compared by the test
+            return err
+
+    with ThreadPoolExecutor(len(arrays)) as pool:
+        return list(pool.map(one, arrays))
+
+
+def _copies(tmp_path: Path, source: Path, n: int) -> list[Path]:
+    out = []
+    for i in range(n):
+        shutil.copytree(source, tmp_path / f"s{i}.zarr")
+        out.append(tmp_path / f"s{i}.zarr")
+    return out
+
+
+def test_concurrent_reads_are_joined(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    store_factory: Callable[[int, str], Path],
+    device: str,
+) -> None:
+    """Requests queued behind a read are read in one batch and decoded with one call
+    per decode chain; every thread gets its own store's values (missing chunks filled)."""
+    zstd = _copies(tmp_path, store_factory(3, "zstd"), 3)
+    paths = [*zstd, store_factory(3, "gzip"), store_factory(2, "zstd")]
+    reads = _hold_first_read(monkeypatch, len(paths) - 1)
+    decodes = _decode_calls(monkeypatch)
+    got = _read_all(paths, device)
+    for path, values in zip(paths, got, strict=True):
+        assert isinstance(values, np.ndarray), values
+        np.testing.assert_array_equal(values, _reference(path))
+    chunks = 27  # 3 x 3 x 3 chunk keys a store
+    assert reads == [chunks, chunks * (len(paths) - 1)]
+    # the first request alone, then the other four: the v3 zstd stores share a chain
+    # (two of them, or all three, in one call), gzip and v2 zstd have their own
+    assert sorted(decodes) in ([chunks] * 3 + [2 * chunks], [chunks] * 3 + [3 * chunks])
+    assert len(decodes) == 4
+
+
+def test_a_damaged_chunk_fails_only_its_own_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
+) -> None:
+    paths = _copies(tmp_path, v3_store, 4)
+    (paths[2] / "t2m" / "c" / "1" / "1" / "1").write_bytes(b"\x28\xb5\x2f\xfd garbage")
+    reads = _hold_first_read(monkeypatch, len(paths) - 1)
+    got = _read_all(paths, device)
+    assert len(reads) == 2  # joined, then each decoded again on its own
+    assert isinstance(got[2], ChunkDecodeError)
+    assert "t2m/c/1/1/1" in str(got[2])
+    want = _reference(v3_store)
+    for i in (0, 1, 3):
+        assert isinstance(got[i], np.ndarray), got[i]
+        np.testing.assert_array_equal(got[i], want)
+    # the next reads in the same process work
+    again = _read_all(paths[:2], device)
+    for values in again:
+        np.testing.assert_array_equal(values, want)
+
+
+def test_a_failed_joined_read_is_retried_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
+) -> None:
+    """An error of the joined read (an unreadable file, say) does not fail the others:
+    each request reads again on its own and raises only its own error."""
+    paths = _copies(tmp_path, v3_store, 3)
+    held = _hold_first_read(monkeypatch, len(paths) - 1)
+    held_read = coalesce._read
+    bad = str(paths[1])
+
+    def read(files: list[str], on_device: bool) -> Any:
+        if any(f.startswith(bad + "/") for f in files):
+            raise OSError(f"short read from {files[0]}")
+        return held_read(files, on_device)
+
+    monkeypatch.setattr(coalesce, "_read", read)
+    got = _read_all(paths, device)
+    assert isinstance(got[1], OSError)
+    want = _reference(v3_store)
+    for i in (0, 2):
+        np.testing.assert_array_equal(got[i], want)
+    assert len(held) >= 2
+
+
+def test_groups_fit_the_batch_budget(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
+) -> None:
+    paths = _copies(tmp_path, v3_store, 5)
+    array = _open(paths[0])
+    per_request = 27 * array.async_array.codec_pipeline.chain.nbytes
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(2 * per_request))
+    reads = _hold_first_read(monkeypatch, len(paths) - 1)
+    got = _read_all(paths, device)
+    want = _reference(v3_store)
+    for values in got:
+        np.testing.assert_array_equal(values, want)
+    assert reads[0] == 27
+    assert sorted(reads[1:]) == [54, 54]  # four queued requests, two a batch
+
+
+def test_requests_of_one_side_are_served_together(store_factory: Callable) -> None:
+    """A group holds requests of the first one's side (host or GPU) only, in order."""
+    array = _open(store_factory(3, "zstd"))
+    chain = array.async_array.codec_pipeline.chain
+    reqs = [coalesce._Request(chain, ["k"], ["p"], side) for side in (False, True, False)]
+    with coalesce._cond:
+        coalesce._waiting[:] = reqs
+        try:
+            group = coalesce._take()
+            assert group == [reqs[0], reqs[2]]
+            assert coalesce._waiting == [reqs[1]]
+        finally:
+            coalesce._waiting.clear()
