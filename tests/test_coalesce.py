@@ -168,15 +168,17 @@ def test_groups_fit_the_batch_budget(
 
 
 def test_requests_of_one_side_are_served_together(store_factory: Callable) -> None:
-    """A group holds requests of the first one's side (host or GPU) only, in order."""
+    """A group holds requests of the first one's side (the host, or one GPU) only, in
+    order."""
     array = _open(store_factory(3, "zstd"))
     chain = array.async_array.codec_pipeline.chain
-    reqs = [coalesce._Request(chain, ["k"], ["p"], side) for side in (False, True, False)]
+    sides = [(False, -1), (True, 0), (False, -1), (True, 1)]
+    reqs = [coalesce._Request(chain, ["k"], ["p"], *side) for side in sides]
     with coalesce._cond:
         coalesce._waiting[:] = reqs
         try:
             group = coalesce._take()
             assert group == [reqs[0], reqs[2]]
-            assert coalesce._waiting == [reqs[1]]
+            assert coalesce._waiting == [reqs[1], reqs[3]]
         finally:
             coalesce._waiting.clear()

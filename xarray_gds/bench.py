@@ -135,19 +135,6 @@ def _load_gds(path: Path, device: str) -> Any:
     return ds["t"].data if device == "cpu" else ds["t"].variable.data
 
 
-def _load_gds_parts(path: Path, parts: int) -> Any:
-    """``_load_gds`` with every read split into ``parts`` overlapped parts."""
-    old = os.environ.get("XARRAY_GDS_PIPELINE_PARTS")
-    os.environ["XARRAY_GDS_PIPELINE_PARTS"] = str(parts)
-    try:
-        return _load_gds(path, "cuda")
-    finally:
-        if old is None:
-            del os.environ["XARRAY_GDS_PIPELINE_PARTS"]
-        else:
-            os.environ["XARRAY_GDS_PIPELINE_PARTS"] = old
-
-
 def _load_zarr(path: Path, to_gpu: bool) -> Any:
     ds = xr.open_dataset(path, engine="zarr", consolidated=True)
     values = ds["t"].values
@@ -393,7 +380,6 @@ CASES: dict[str, dict[str, Any]] = {
         "store": {"chunk_bytes": 4 << 20},
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
-            "gds-zarr, 2 parts": lambda: _load_gds_parts(p, 2),
             "zarr": lambda: _load_zarr(p, True),
             "raw-limit": lambda: raw_limit(p),
         },

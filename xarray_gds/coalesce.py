@@ -13,7 +13,9 @@ A thread that finds no read in progress serves every waiting request (up to the 
 budget, one side at a time): it reads all their files in one batch, decodes the
 requests that share a decode chain with one call, and hands each request its chunks.
 A thread that arrives while a read is in progress waits for the next one, which will
-take its request along. A request alone is served at once: nothing waits for company.
+take its request along. Requests for different GPUs (threads with different current
+CUDA devices) are never joined, and a group is served on its own GPU. A request
+alone is served at once: nothing waits for company.
 
 Failures stay with the request they belong to: when a joined read or decode fails,
 each request of the group is read or decoded again on its own, so that only the
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from xarray_gds import device as _device
 from xarray_gds import pipeline
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.store import DeviceBatch, GdsStore, read_files_device, read_files_host
@@ -41,6 +44,7 @@ class _Request:
     keys: list[str]
     paths: list[str]
     on_device: bool
+    gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
     result: tuple[list[int], Any] | None = None
     error: BaseException | None = None
     done: bool = field(default=False)
@@ -66,7 +70,8 @@ def fetch_decode(
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
     global _serving
-    request = _Request(chain, list(keys), store.chunk_paths(keys), on_device)
+    gpu = _device.cupy().cuda.Device().id if on_device else -1
+    request = _Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu)
     with _cond:
         _waiting.append(request)
     while True:
@@ -78,7 +83,11 @@ def fetch_decode(
             _serving = True
             group = _take()
         try:
-            _serve(group)
+            if group[0].on_device:  # on the GPU the requests were made for
+                with _device.cupy().cuda.Device(group[0].gpu):
+                    _serve(group)
+            else:
+                _serve(group)
         finally:
             with _cond:
                 _serving = False
@@ -97,15 +106,21 @@ def fetch_decode(
 
 
 def _take() -> list[_Request]:
-    """The waiting requests of the first one's side that fit the batch budget together
-    (the first one always), removed from the queue. Called with ``_cond`` held."""
-    on_device = _waiting[0].on_device
-    budget = pipeline._budget(on_device)
+    """The waiting requests for the first one's side (the host, or its GPU) that fit the
+    batch budget together (the first one always), removed from the queue. Called with
+    ``_cond`` held."""
+    first = _waiting[0]
+    if first.on_device:
+        with _device.cupy().cuda.Device(first.gpu):
+            budget = pipeline._budget(True)
+    else:
+        budget = pipeline._budget(False)
     group: list[_Request] = []
     rest: list[_Request] = []
     total = 0
     for r in _waiting:
-        if r.on_device == on_device and (not group or total + r.nbytes <= budget):
+        same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
+        if same_side and (not group or total + r.nbytes <= budget):
             group.append(r)
             total += r.nbytes
         else:
