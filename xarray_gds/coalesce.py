@@ -13,7 +13,8 @@ A thread that finds no read in progress serves every waiting request (up to the 
 budget, one side at a time): it reads all their files in one batch, decodes the
 requests that share a decode chain with one call, and hands each request its chunks.
 A thread that arrives while a read is in progress waits for the next one, which will
-take its request along. Requests for different GPUs (threads with different current
+take its request along; that read starts as soon as the files of the current one are
+in, while the current one decodes. Requests for different GPUs (threads with different current
 CUDA devices) are never joined, and a group is served on its own GPU. A request
 alone is served at once: nothing waits for company.
 
@@ -24,7 +25,9 @@ requests with a damaged or unreadable chunk raise, each naming its own chunk.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,7 @@ class _Request:
     paths: list[str]
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
+    taken: bool = False  #: in a group being served
     result: tuple[list[int], Any] | None = None
     error: BaseException | None = None
     done: bool = field(default=False)
@@ -76,23 +80,28 @@ def fetch_decode(
         _waiting.append(request)
     while True:
         with _cond:
-            while _serving and not request.done:
+            # wait while another thread reads, or serves this request
+            while not request.done and (_serving or request.taken):
                 _cond.wait()
             if request.done:
                 break
             _serving = True
             group = _take()
+        reading = True
         try:
-            if group[0].on_device:  # on the GPU the requests were made for
-                with _device.cupy().cuda.Device(group[0].gpu):
-                    _serve(group)
-            else:
-                _serve(group)
+            with _on_gpu(group[0]):
+                fetched = _read_group(group)
+                # the next group's read may start while this one decodes
+                with _cond:
+                    _serving = reading = False
+                    _cond.notify_all()
+                _decode_group(group, fetched)
         finally:
             with _cond:
-                _serving = False
+                if reading:
+                    _serving = False
                 for r in group:
-                    if not r.done and r.result is None and r.error is None:
+                    if r.result is None and r.error is None:
                         r.error = RuntimeError(
                             "xarray-gds: the thread reading this request along with others "
                             "was interrupted; read again"
@@ -126,6 +135,8 @@ def _take() -> list[_Request]:
         else:
             rest.append(r)
     _waiting[:] = rest
+    for r in group:
+        r.taken = True
     return group
 
 
@@ -148,22 +159,40 @@ def _serve_alone(r: _Request, fetched: Any = None) -> None:
         r.error = err
 
 
-def _serve(group: list[_Request]) -> None:
-    if len(group) > 1:
-        try:
-            _serve_joined(group)
-            return
-        except Exception:  # each request again alone, with its own error
-            pass
+@contextlib.contextmanager
+def _on_gpu(first: _Request) -> Iterator[None]:
+    """The requests' own GPU current while a group is served (nothing on the host)."""
+    if not first.on_device:
+        yield
+        return
+    with _device.cupy().cuda.Device(first.gpu):
+        yield
+
+
+def _read_group(group: list[_Request]) -> Any:
+    """Every file of the group's requests, in one batch; ``None`` when that read
+    failed (a lone request keeps the error; a group's requests read again alone)."""
+    try:
+        return _read([p for r in group for p in r.paths], group[0].on_device)
+    except Exception as err:  # raised in the thread that asked, or read again alone
+        if len(group) == 1:
+            group[0].error = err
+        return None
+
+
+def _decode_group(group: list[_Request], fetched: Any) -> None:
+    """One decode per decode chain of the group's fetched files."""
+    if fetched is not None:
+        # an unforeseen failure here leaves each request to be served again alone
+        with contextlib.suppress(Exception):
+            _decode_joined(group, fetched)
     for r in group:
         if r.result is None and r.error is None:
             _serve_alone(r)
 
 
-def _serve_joined(group: list[_Request]) -> None:
-    """One read of every request's files; one decode per decode chain."""
+def _decode_joined(group: list[_Request], fetched: Any) -> None:
     on_device = group[0].on_device
-    fetched = _read([p for r in group for p in r.paths], on_device)
     by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
     start = 0
     for r in group:
