@@ -209,3 +209,44 @@ def test_many_threads_agree_with_zarr(
         assert all(pool.map(one, jobs))
     assert coalesce._waiting == []
     assert not coalesce._serving
+    assert coalesce._decoding == 0
+
+
+def test_at_most_two_groups_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
+) -> None:
+    """A group's read starts while the previous group decodes, but not while two do."""
+    import threading
+
+    paths = _copies(tmp_path, v3_store, 3)
+    arrays = [_open(p) for p in paths]
+    reads: list[int] = []
+    decoding = threading.Semaphore(0)
+    release = threading.Event()
+    real_read, real_decode = coalesce._read, coalesce._decode_group
+
+    def read(files: list[str], on_device: bool) -> Any:
+        reads.append(len(files))
+        return real_read(files, on_device)
+
+    def decode(group: list[Any], fetched: Any) -> None:
+        decoding.release()
+        assert release.wait(20)
+        real_decode(group, fetched)
+
+    monkeypatch.setattr(coalesce, "_read", read)
+    monkeypatch.setattr(coalesce, "_decode_group", decode)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(read_box, arrays[0], ALL, device)]
+        assert decoding.acquire(timeout=20)  # the first group decodes...
+        futures.append(pool.submit(read_box, arrays[1], ALL, device))
+        assert decoding.acquire(timeout=20)  # ...and the second one, read meanwhile
+        futures.append(pool.submit(read_box, arrays[2], ALL, device))
+        time.sleep(0.2)
+        assert len(reads) == 2  # the third waits for one of them
+        release.set()
+        got = [_device.to_host(f.result(timeout=20)) for f in futures]
+    assert len(reads) == 3
+    want = _reference(v3_store)
+    for values in got:
+        np.testing.assert_array_equal(values, want)

@@ -60,7 +60,8 @@ class _Request:
 
 _cond = threading.Condition()
 _waiting: list[_Request] = []
-_serving = False  # whether some thread is serving a group of requests
+_serving = False  # whether some thread is reading the files of a group of requests
+_decoding = 0  # groups read and being decoded
 
 
 def fetch_decode(
@@ -73,15 +74,16 @@ def fetch_decode(
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
-    global _serving
+    global _serving, _decoding
     gpu = _device.cupy().cuda.Device().id if on_device else -1
     request = _Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu)
     with _cond:
         _waiting.append(request)
     while True:
         with _cond:
-            # wait while another thread reads, or serves this request
-            while not request.done and (_serving or request.taken):
+            # wait while another thread reads, or serves this request, or two groups
+            # are decoding (at most two groups' bytes are alive at once)
+            while not request.done and (_serving or request.taken or _decoding >= 2):
                 _cond.wait()
             if request.done:
                 break
@@ -93,6 +95,7 @@ def fetch_decode(
                 fetched = _read_group(group)
                 # the next group's read may start while this one decodes
                 with _cond:
+                    _decoding += 1
                     _serving = reading = False
                     _cond.notify_all()
                 _decode_group(group, fetched)
@@ -100,6 +103,8 @@ def fetch_decode(
             with _cond:
                 if reading:
                     _serving = False
+                else:
+                    _decoding -= 1
                 for r in group:
                     if r.result is None and r.error is None:
                         r.error = RuntimeError(
