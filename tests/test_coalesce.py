@@ -63,12 +63,18 @@ def _decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _read_all(paths: list[Path], device: str) -> list[Any]:
     """``read_box`` of every store's whole t2m, each from its own thread at once."""
+    return _read_all_base(paths, device, Exception)
+
+
+def _read_all_base(
+    paths: list[Path], device: str, catch: type[BaseException] = BaseException
+) -> list[Any]:
     arrays = [_open(p) for p in paths]
 
     def one(array: Any) -> Any:
         try:
             return _device.to_host(read_box(array, ALL, device))
-        except Exception as err:  # compared by the test
+        except catch as err:  # compared by the test
             return err
 
     with ThreadPoolExecutor(len(arrays)) as pool:
@@ -208,8 +214,8 @@ def test_many_threads_agree_with_zarr(
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(one, jobs))
     assert coalesce._waiting == []
-    assert not coalesce._serving
-    assert coalesce._decoding == 0
+    assert coalesce._reader is None
+    assert coalesce._decoders == set()
 
 
 def test_at_most_two_groups_at_once(
@@ -250,3 +256,52 @@ def test_at_most_two_groups_at_once(
     want = _reference(v3_store)
     for values in got:
         np.testing.assert_array_equal(values, want)
+
+
+def test_an_interrupted_leader_leaves_the_others_to_be_served(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
+) -> None:
+    """A KeyboardInterrupt in the thread reading a group ends that thread's read only:
+    the other requests of the group go back to the queue and are served."""
+    paths = _copies(tmp_path, v3_store, 3)
+    reads = _hold_first_read(monkeypatch, len(paths) - 1)
+    held = coalesce._read
+
+    def read(files: list[str], on_device: bool) -> Any:
+        out = held(files, on_device)
+        if len(reads) == 2:  # the joined read of the two queued requests
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(coalesce, "_read", read)
+    got = _read_all_base(paths, device)
+    assert sum(isinstance(g, KeyboardInterrupt) for g in got) == 1
+    want = _reference(v3_store)
+    for values in got:
+        if not isinstance(values, KeyboardInterrupt):
+            np.testing.assert_array_equal(values, want)
+    assert coalesce._waiting == []
+    assert coalesce._reader is None
+
+
+def test_a_failure_before_reading_leaves_no_trace(
+    monkeypatch: pytest.MonkeyPatch, v3_store: Path
+) -> None:
+    """An error while a group is formed (the memory query, say) raises in that read,
+    and the next read works."""
+    array = _open(v3_store)
+    real = pipeline._budget
+    calls: list[bool] = []
+
+    def flaky(on_device: bool) -> int:
+        calls.append(on_device)
+        if len(calls) == 1:
+            raise RuntimeError("simulated CUDA error")
+        return real(on_device)
+
+    monkeypatch.setattr(pipeline, "_budget", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        read_box(array, ALL, "cpu")
+    assert coalesce._waiting == []
+    assert coalesce._reader is None
+    np.testing.assert_array_equal(read_box(array, ALL, "cpu"), _reference(v3_store))

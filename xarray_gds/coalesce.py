@@ -26,6 +26,8 @@ requests with a damaged or unreadable chunk raise, each naming its own chunk.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,8 +62,21 @@ class _Request:
 
 _cond = threading.Condition()
 _waiting: list[_Request] = []
-_serving = False  # whether some thread is reading the files of a group of requests
-_decoding = 0  # groups read and being decoded
+_reader: object | None = None  # the group whose files are being read
+_decoders: set[object] = set()  # the groups read and being decoded
+
+
+def _reset_after_fork() -> None:
+    """A forked child starts with no reads in flight (the parent's threads are gone)."""
+    global _cond, _reader
+    _cond = threading.Condition()
+    _waiting.clear()
+    _decoders.clear()
+    _reader = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def fetch_decode(
@@ -74,49 +89,63 @@ def fetch_decode(
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
-    global _serving, _decoding
     gpu = _device.cupy().cuda.Device().id if on_device else -1
     request = _Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu)
     with _cond:
         _waiting.append(request)
-    while True:
-        with _cond:
-            # wait while another thread reads, or serves this request, or two groups
-            # are decoding (at most two groups' bytes are alive at once)
-            while not request.done and (_serving or request.taken or _decoding >= 2):
-                _cond.wait()
-            if request.done:
-                break
-            _serving = True
-            group = _take()
-        reading = True
-        try:
-            with _on_gpu(group[0]):
-                fetched = _read_group(group)
-                # the next group's read may start while this one decodes
-                with _cond:
-                    _decoding += 1
-                    _serving = reading = False
-                    _cond.notify_all()
-                _decode_group(group, fetched)
-        finally:
-            with _cond:
-                if reading:
-                    _serving = False
-                else:
-                    _decoding -= 1
-                for r in group:
-                    if r.result is None and r.error is None:
-                        r.error = RuntimeError(
-                            "xarray-gds: the thread reading this request along with others "
-                            "was interrupted; read again"
-                        )
-                    r.done = True
-                _cond.notify_all()
+    try:
+        while not request.done:
+            _lead_or_wait(request)
+    except BaseException:
+        with _cond:  # interrupted: nobody is to read this request any more
+            if not request.taken and request in _waiting:
+                _waiting.remove(request)
+        raise
     if request.error is not None:
         raise request.error
     assert request.result is not None
     return request.result
+
+
+def _lead_or_wait(request: _Request) -> None:
+    """Wait until ``request`` is served, or serve a group of requests (the first one
+    waiting, and those that join it), then return."""
+    global _reader
+    token = object()
+    group: list[_Request] = []
+    with _cond:
+        # wait while another thread reads, or serves this request, or two groups are
+        # decoding (at most two groups' bytes are alive at once)
+        while not request.done and (request.taken or _reader is not None or len(_decoders) >= 2):
+            _cond.wait()
+        if request.done:
+            return
+        group = _take()
+        _reader = token
+    try:
+        with _on_gpu(group[0]):
+            fetched = _read_group(group)
+            with _cond:  # the next group's read may start while this one decodes
+                _decoders.add(token)
+                _reader = None
+                _cond.notify_all()
+            _decode_group(group, fetched)
+            del fetched  # nothing of the group stays alive here once it is served
+    except BaseException:
+        with _cond:  # the others of the group go back to the queue, for another thread
+            back = [r for r in group if r is not request and r.result is None and r.error is None]
+            for r in back:
+                r.taken = False
+            _waiting[:0] = back
+        raise
+    finally:
+        with _cond:
+            if _reader is token:
+                _reader = None
+            _decoders.discard(token)
+            for r in group:
+                r.done = r.result is not None or r.error is not None
+            _cond.notify_all()
 
 
 def _take() -> list[_Request]:
@@ -139,9 +168,9 @@ def _take() -> list[_Request]:
             total += r.nbytes
         else:
             rest.append(r)
-    _waiting[:] = rest
     for r in group:
         r.taken = True
+    _waiting[:] = rest
     return group
 
 
@@ -155,10 +184,14 @@ def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:
     return [fetched[i] for i in idx.tolist()]
 
 
-def _serve_alone(r: _Request, fetched: Any = None) -> None:
+def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None) -> None:
+    """Serve ``r`` on its own: from rows ``idx`` of ``fetched``, or from a read of its
+    own files when there is no ``fetched``."""
     try:
         if fetched is None:
             fetched = _read(r.paths, r.on_device)
+        elif idx is not None:
+            fetched = _subset(fetched, idx, r.on_device)
         r.result = pipeline.decode_fetched(r.chain, fetched, r.keys, r.on_device)
     except Exception as err:  # raised in the thread that asked
         r.error = err
@@ -186,23 +219,24 @@ def _read_group(group: list[_Request]) -> Any:
 
 
 def _decode_group(group: list[_Request], fetched: Any) -> None:
-    """One decode per decode chain of the group's fetched files."""
+    """One decode per decode chain of the group's fetched files; each request on its
+    own when that fails (from the same files), or when the joined read failed (each
+    reading its own files again)."""
+    starts = np.cumsum([0] + [len(r.keys) for r in group])
+    spans = [np.arange(a, b) for a, b in itertools.pairwise(starts.tolist())]
     if fetched is not None:
-        # an unforeseen failure here leaves each request to be served again alone
+        # an unforeseen failure here leaves each request to be decoded alone below
         with contextlib.suppress(Exception):
-            _decode_joined(group, fetched)
-    for r in group:
+            _decode_joined(group, spans, fetched)
+    for r, idx in zip(group, spans, strict=True):
         if r.result is None and r.error is None:
-            _serve_alone(r)
+            _serve_alone(r, fetched, idx)
 
 
-def _decode_joined(group: list[_Request], fetched: Any) -> None:
+def _decode_joined(group: list[_Request], spans: list[np.ndarray], fetched: Any) -> None:
     on_device = group[0].on_device
     by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
-    start = 0
-    for r in group:
-        idx = np.arange(start, start + len(r.keys))
-        start += len(r.keys)
+    for r, idx in zip(group, spans, strict=True):
         # chains compare equal across stores; they are not hashable (codec objects)
         members = next((m for c, m in by_chain if c == r.chain), None)
         if members is None:
@@ -220,8 +254,7 @@ def _decode_members(
 ) -> None:
     """One decode for the requests that share ``chain``; on failure, one each."""
     if len(members) == 1:
-        r, idx = members[0]
-        _serve_alone(r, _subset(fetched, idx, on_device))
+        _serve_alone(members[0][0], fetched, members[0][1])
         return
     idx = np.concatenate([i for _, i in members])
     keys = [k for r, _ in members for k in r.keys]
@@ -231,7 +264,7 @@ def _decode_members(
         )
     except Exception:  # find which request it was
         for r, i in members:
-            _serve_alone(r, _subset(fetched, i, on_device))
+            _serve_alone(r, fetched, i)
         return
     found = np.asarray(present, dtype=np.int64)
     at = 0  # first position of this request's chunks in the joined list
