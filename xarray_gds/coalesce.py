@@ -30,7 +30,7 @@ import itertools
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,11 @@ class _Request:
     taken: bool = False  #: in a group being served
     result: tuple[list[int], Any] | None = None
     error: BaseException | None = None
-    done: bool = field(default=False)
+
+    @property
+    def done(self) -> bool:
+        """Served: it has its chunks, or the error to raise."""
+        return self.result is not None or self.error is not None
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +137,7 @@ def _lead_or_wait(request: _Request) -> None:
             del fetched  # nothing of the group stays alive here once it is served
     except BaseException:
         with _cond:  # the others of the group go back to the queue, for another thread
-            back = [r for r in group if r is not request and r.result is None and r.error is None]
+            back = [r for r in group if r is not request and not r.done]
             for r in back:
                 r.taken = False
             _waiting[:0] = back
@@ -143,8 +147,6 @@ def _lead_or_wait(request: _Request) -> None:
             if _reader is token:
                 _reader = None
             _decoders.discard(token)
-            for r in group:
-                r.done = r.result is not None or r.error is not None
             _cond.notify_all()
 
 
@@ -153,11 +155,8 @@ def _take() -> list[_Request]:
     batch budget together (the first one always), removed from the queue. Called with
     ``_cond`` held."""
     first = _waiting[0]
-    if first.on_device:
-        with _device.cupy().cuda.Device(first.gpu):
-            budget = pipeline._budget(True)
-    else:
-        budget = pipeline._budget(False)
+    with _on_gpu(first):
+        budget = pipeline._budget(first.on_device)
     group: list[_Request] = []
     rest: list[_Request] = []
     total = 0
@@ -229,7 +228,7 @@ def _decode_group(group: list[_Request], fetched: Any) -> None:
         with contextlib.suppress(Exception):
             _decode_joined(group, spans, fetched)
     for r, idx in zip(group, spans, strict=True):
-        if r.result is None and r.error is None:
+        if not r.done:
             _serve_alone(r, fetched, idx)
 
 

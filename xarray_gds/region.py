@@ -191,13 +191,13 @@ class _Reader:
         ``out``; ``decoded`` is what :func:`pipeline.decode_fetched` returns for them."""
         chain, box, xp = self.chain, self.box, self.xp
         present, chunks = decoded
-        n_keys = (r1 - r0) * math.prod(box.grid[1:])
+        row = math.prod(box.grid[1:])  # chunks a row
+        n_keys = (r1 - r0) * row
         if len(present) < n_keys:  # missing chunks read as the fill value
             whole = xp.full((n_keys, *chain.chunk_shape), self.fill, dtype=out.dtype)
             if present:
                 whole[xp.asarray(present)] = chunks
             chunks = whole
-        row = math.prod(box.grid[1:])
         cs = chain.chunk_shape
 
         def rows(a: int, b: int) -> None:
