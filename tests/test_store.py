@@ -140,6 +140,33 @@ def test_missing_keys_return_none(tmp_path: Path) -> None:
     assert store.get_sync("arr", prototype=cpu.buffer_prototype) is None  # a directory
 
 
+async def test_read_only_open_and_metadata_stay_in_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a read-only store and reading metadata cost no worker-thread hop (most of
+    the time of opening a store); chunk reads still go to a worker thread."""
+    import asyncio
+
+    _payload(tmp_path)
+    zarr.create_group(tmp_path / "g", zarr_format=3)
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(args[0] if args and isinstance(args[0], str) else fn.__name__)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    store = await GdsStore.open(tmp_path, read_only=True)
+    meta = await store.get("g/zarr.json", cpu.buffer_prototype)
+    assert meta is not None and b'"node_type": "group"' in meta.to_bytes()
+    assert hops == []
+    chunk = await store.get("arr/c/0", cpu.buffer_prototype)
+    assert chunk is not None and hops == ["arr/c/0"]
+    with pytest.raises(FileNotFoundError, match="missing"):
+        await GdsStore.open(tmp_path / "missing", read_only=True)
+
+
 def test_read_only_store_refuses_writes(tmp_path: Path) -> None:
     store, _ = _payload(tmp_path)
     with pytest.raises(ValueError, match="read-only"):

@@ -475,6 +475,20 @@ class GdsStore(LocalStore):
         self._ensure_open_sync()
         return self._read(key, prototype, byte_range)
 
+    async def _open(self, *, mode: Any = None) -> None:
+        if self.read_only and not self._is_open:
+            self._ensure_open_sync()  # see _ensure_open
+            return
+        await super()._open(mode=mode)
+
+    async def _ensure_open(self) -> None:
+        # A read-only store only checks that its root exists: one stat, cheaper in the
+        # event loop than the hop to a worker thread (LocalStore's way) and back.
+        if self.read_only:
+            self._ensure_open_sync()
+        else:
+            await super()._ensure_open()
+
     async def get(
         self,
         key: str,
@@ -482,6 +496,11 @@ class GdsStore(LocalStore):
         byte_range: ByteRequest | None = None,
     ) -> Buffer | None:
         await self._ensure_open()
+        if is_metadata_key(key):
+            # Metadata documents are small local files: read in the event loop, they
+            # cost a few microseconds, where a worker thread costs a hop each way
+            # (most of the time of opening a store, measured).
+            return self._read(key, prototype, byte_range)
         return await asyncio.to_thread(self._read, key, prototype, byte_range)
 
     async def get_partial_values(
