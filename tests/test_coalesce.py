@@ -37,13 +37,13 @@ def _hold_first_read(monkeypatch: pytest.MonkeyPatch, others: int) -> list[int]:
     calls: list[int] = []
     real = coalesce._read
 
-    def read(paths: list[str], on_device: bool) -> Any:
-        calls.append(len(paths))
+    def read(group: list[Any]) -> Any:
+        calls.append(sum(len(r.paths) for r in group))
         if len(calls) == 1:
             deadline = time.monotonic() + 20
             while len(coalesce._waiting) < others and time.monotonic() < deadline:
                 time.sleep(0.001)
-        return real(paths, on_device)
+        return real(group)
 
     monkeypatch.setattr(coalesce, "_read", read)
     return calls
@@ -113,6 +113,29 @@ def test_concurrent_reads_are_joined(
     assert len(decodes) == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bound", [64, 320])
+def test_chunks_larger_than_their_slot_are_read_whole(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    store_factory: Callable[[int, str], Path],
+    bound: int,
+) -> None:
+    """Joined device reads size each file's slot from the chain's stored_bound; chunk
+    files that do not fit it (some or all of them: the chunks decode to 320 bytes, the
+    zstd files take 41 to 330) or fill it exactly are still read whole."""
+    from xarray_gds.codecs import DecodeChain
+
+    monkeypatch.setattr(DecodeChain, "stored_bound", property(lambda self: bound))
+    paths = [*_copies(tmp_path, store_factory(3, "zstd"), 2), store_factory(2, "none")]
+    reads = _hold_first_read(monkeypatch, len(paths) - 1)
+    got = _read_all(paths, "cuda")
+    for path, values in zip(paths, got, strict=True):
+        assert isinstance(values, np.ndarray), values
+        np.testing.assert_array_equal(values, _reference(path))
+    assert len(reads) == 2
+
+
 def test_a_damaged_chunk_fails_only_its_own_read(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v3_store: Path, device: str
 ) -> None:
@@ -143,10 +166,11 @@ def test_a_failed_joined_read_is_retried_alone(
     held_read = coalesce._read
     bad = str(paths[1])
 
-    def read(files: list[str], on_device: bool) -> Any:
+    def read(group: list[Any]) -> Any:
+        files = [f for r in group for f in r.paths]
         if any(f.startswith(bad + "/") for f in files):
             raise OSError(f"short read from {files[0]}")
-        return held_read(files, on_device)
+        return held_read(group)
 
     monkeypatch.setattr(coalesce, "_read", read)
     got = _read_all(paths, device)
@@ -231,9 +255,9 @@ def test_at_most_two_groups_at_once(
     release = threading.Event()
     real_read, real_decode = coalesce._read, coalesce._decode_group
 
-    def read(files: list[str], on_device: bool) -> Any:
-        reads.append(len(files))
-        return real_read(files, on_device)
+    def read(group: list[Any]) -> Any:
+        reads.append(sum(len(r.paths) for r in group))
+        return real_read(group)
 
     def decode(group: list[Any], fetched: Any) -> None:
         decoding.release()
@@ -267,8 +291,8 @@ def test_an_interrupted_leader_leaves_the_others_to_be_served(
     reads = _hold_first_read(monkeypatch, len(paths) - 1)
     held = coalesce._read
 
-    def read(files: list[str], on_device: bool) -> Any:
-        out = held(files, on_device)
+    def read(group: list[Any]) -> Any:
+        out = held(group)
         if len(reads) == 2:  # the joined read of the two queued requests
             raise KeyboardInterrupt
         return out

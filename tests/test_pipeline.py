@@ -373,10 +373,10 @@ def test_large_reads_overlap_fetch_and_decode(
     parts: list[int] = []
     real_fetch, real_decode = GdsStore.read_chunks, pipeline.decode_fetched
 
-    def spy_fetch(store: GdsStore, keys: list, device: str) -> Any:
+    def spy_fetch(store: GdsStore, keys: list, device: str, slot: Any = None) -> Any:
         if keys[0].startswith("t2m/"):
             fetch_started[sum(e.is_set() for e in fetch_started)].set()
-        return real_fetch(store, keys, device)
+        return real_fetch(store, keys, device, slot)
 
     def spy_decode(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         if keys[0].startswith("t2m/"):

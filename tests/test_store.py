@@ -358,3 +358,64 @@ def test_parallel_caps_its_threads() -> None:
         assert len(threads) <= most
         if workers == 1:
             assert threads == {threading.get_ident()}
+
+
+def _slotted_files(tmp_path: Path) -> tuple[list[str], list[bytes | None]]:
+    """Files of many sizes around a 100 KiB slot (empty, exactly the slot, larger than
+    it, far larger), a missing one and a directory: the cases of reads without stat."""
+    rng = np.random.default_rng(7)
+    slot = 100 << 10
+    sizes = [0, 1, 17, slot - 1, slot, slot + 1, 3 * slot + 5, 50_000] * 6
+    paths: list[str] = []
+    want: list[bytes | None] = []
+    for i, size in enumerate(sizes):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        path = tmp_path / f"f{i}"
+        path.write_bytes(data)
+        paths.append(str(path))
+        want.append(data)
+        if i % 9 == 4:
+            paths.append(str(tmp_path / f"missing{i}"))
+            want.append(None)
+    (tmp_path / "a-directory").mkdir()
+    paths.insert(5, str(tmp_path / "a-directory"))
+    want.insert(5, None)
+    paths.append(str(tmp_path / "f0" / "below-a-file"))
+    want.append(None)
+    return paths, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_reads_without_stat_match_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: str
+) -> None:
+    """Slotted reads (no stat before reading) give every file whole, wherever its size
+    falls against its slot, and -1 for missing files and directories, as stat does."""
+    from xarray_gds.store import read_files_device
+
+    monkeypatch.setenv("XARRAY_GDS_READ_THREADS", threads)
+    paths, want = _slotted_files(tmp_path)
+    slotted = read_files_device(paths, 100 << 10)
+    stat_first = read_files_device(paths)
+    arena = slotted.arena.get()
+    assert slotted.sizes.tolist() == stat_first.sizes.tolist()
+    for i, data in enumerate(want):
+        if data is None:
+            assert slotted.sizes[i] == -1, paths[i]
+            continue
+        at, size = int(slotted.offsets[i]), int(slotted.sizes[i])
+        assert at % 16 == 0
+        assert arena[at : at + size].tobytes() == data, paths[i]
+    # slots per file; slots too large for staging fall back to stat and kvikio reads
+    per_file = np.full(len(paths), 64 << 10)
+    again = read_files_device(paths, per_file)
+    assert again.sizes.tolist() == stat_first.sizes.tolist()
+    large = read_files_device(paths, 64 << 20)
+    assert large.sizes.tolist() == stat_first.sizes.tolist()
+    for batch in (again, large):
+        got = batch.arena.get()
+        for i, data in enumerate(want):
+            if data is not None:
+                at = int(batch.offsets[i])
+                assert got[at : at + len(data)].tobytes() == data, paths[i]

@@ -173,8 +173,13 @@ def _take() -> list[_Request]:
     return group
 
 
-def _read(paths: list[str], on_device: bool) -> Any:
-    return read_files_device(paths) if on_device else read_files_host(paths)
+def _read(group: list[_Request]) -> Any:
+    """Every file of the requests of ``group``, in one batch."""
+    paths = [p for r in group for p in r.paths]
+    if not group[0].on_device:
+        return read_files_host(paths)
+    slots = np.repeat([r.chain.stored_bound for r in group], [len(r.paths) for r in group])
+    return read_files_device(paths, slots)
 
 
 def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:
@@ -188,7 +193,7 @@ def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None
     own files when there is no ``fetched``."""
     try:
         if fetched is None:
-            fetched = _read(r.paths, r.on_device)
+            fetched = _read([r])
         elif idx is not None:
             fetched = _subset(fetched, idx, r.on_device)
         r.result = pipeline.decode_fetched(r.chain, fetched, r.keys, r.on_device)
@@ -210,7 +215,7 @@ def _read_group(group: list[_Request]) -> Any:
     """Every file of the group's requests, in one batch; ``None`` when that read
     failed (a lone request keeps the error; a group's requests read again alone)."""
     try:
-        return _read([p for r in group for p in r.paths], group[0].on_device)
+        return _read(group)
     except Exception as err:  # raised in the thread that asked, or read again alone
         if len(group) == 1:
             group[0].error = err

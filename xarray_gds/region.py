@@ -184,7 +184,8 @@ class _Reader:
 
     def fetch(self, r0: int, r1: int) -> tuple[list[str], Any]:
         keys = self.keys(r0, r1)
-        return keys, self.store.read_chunks(keys, "cuda" if self.on_device else "cpu")
+        side = "cuda" if self.on_device else "cpu"
+        return keys, self.store.read_chunks(keys, side, self.chain.stored_bound)
 
     def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into

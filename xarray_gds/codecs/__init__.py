@@ -101,6 +101,17 @@ class DecodeChain:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
     @property
+    def stored_bound(self) -> int:
+        """Bytes a stored chunk of this chain fits in but for unusual cases: the decoded
+        size plus room for a compressor's growth on incompressible data and its framing
+        (zstd, LZ4, deflate and Blosc add under 1/128 and a few dozen bytes) and a
+        checksum. Reads that skip the ``stat`` of each file size their slots with it;
+        a larger file is still read whole (see :func:`xarray_gds.store.read_files_device`).
+        """
+        n = self.nbytes
+        return n + n // 128 + 256
+
+    @property
     def device_ready(self) -> bool:
         """True when every stage also runs on the GPU."""
         return not self.host_only
