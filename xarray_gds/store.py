@@ -267,10 +267,8 @@ def read_files_device(paths: list[str], slot: int | np.ndarray | None = None) ->
 
 
 def _read_slotted(paths: list[str], slots: np.ndarray) -> DeviceBatch:
-    """Whole files into one device arena, read by :func:`read_threads` threads: the
-    files are cut into a few regions per thread (as :func:`~xarray_gds.codecs.host.parallel`
-    cuts its items), each region of files read into its own part of a pinned buffer,
-    each file into at most ``slots[i]`` bytes.
+    """Whole files into one device arena, each thread reading its share of the files
+    into its own region of a pinned buffer, each file into at most ``slots[i]`` bytes.
 
     A file that fills its slot is checked with ``fstat`` (one that does not has been
     read whole); larger ones are read again afterwards into the end of the arena.
@@ -285,18 +283,17 @@ def _read_slotted(paths: list[str], slots: np.ndarray) -> DeviceBatch:
     import cupyx
 
     n = len(paths)
-    threads = read_threads(float(slots.mean()))
-    regions = min(n, 4 * threads)
-    edges = np.linspace(0, n, regions + 1).astype(np.int64)
+    threads = min(n, read_threads(float(slots.mean())))
+    edges = np.linspace(0, n, threads + 1).astype(np.int64)
     slot_at = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(slots, out=slot_at[1:])
-    base = slot_at[edges]  # each region's part of the pinned buffer
+    base = slot_at[edges]  # each thread's region of the pinned buffer
     capacity = int(base[-1])
     pinned = cupyx.empty_pinned((_pinned_size(capacity),), dtype=np.uint8)[:capacity]
     view = memoryview(pinned)
     sizes = np.full(n, -1, dtype=np.int64)
-    at = np.zeros(n, dtype=np.int64)  # where each file's bytes start in its region
-    used = np.zeros(regions, dtype=np.int64)
+    at = np.zeros(n, dtype=np.int64)  # where each file's bytes are in the pinned buffer
+    used = np.zeros(threads, dtype=np.int64)
     larger: dict[int, int] = {}  # files larger than their slot, and their sizes
 
     def region(t: int) -> None:
@@ -319,25 +316,29 @@ def _read_slotted(paths: list[str], slots: np.ndarray) -> DeviceBatch:
             finally:
                 os.close(fd)
             sizes[i] = got
-            at[i] = pos - int(base[t])
+            at[i] = pos
             pos += (got + 15) // 16 * 16
         used[t] = pos - int(base[t])
 
-    parallel(region, regions, threads)
-    starts = np.zeros(regions + 1, dtype=np.int64)  # each region's place in the arena
+    if threads > 1:
+        parallel(region, threads, threads)
+    else:
+        region(0)
+    starts = np.zeros(threads + 1, dtype=np.int64)  # each region's place in the arena
     np.cumsum(used, out=starts[1:])
     later = sorted(larger)
     later_offsets, later_total = pack_offsets(np.array([larger[i] for i in later], np.int64))
     packed = int(starts[-1])
     arena = cp.empty(max(packed + later_total, 1), dtype=cp.uint8)
     stream = cp.cuda.get_current_stream()
-    for t in range(regions):
+    for t in range(threads):
         if used[t]:
             first = int(base[t])
             arena[starts[t] : starts[t + 1]].set(pinned[first : first + used[t]], stream=stream)
     # the pinned buffer goes back to CuPy's pool when this returns: finish the copies
     stream.synchronize()
-    offsets = np.where(sizes >= 0, at + np.repeat(starts[:-1], np.diff(edges)), 0)
+    which = np.searchsorted(edges, np.arange(n), side="right") - 1
+    offsets = np.where(sizes >= 0, at - base[which] + starts[which], 0)
     if later:
         reads = []
         for i, start in zip(later, later_offsets.tolist(), strict=True):
