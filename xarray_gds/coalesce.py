@@ -37,8 +37,9 @@ import numpy as np
 
 from xarray_gds import device as _device
 from xarray_gds import pipeline
+from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain
-from xarray_gds.store import DeviceBatch, GdsStore, read_files_device, read_files_host
+from xarray_gds.store import GdsStore, read_files_device, read_files_host
 
 __all__ = ["fetch_decode"]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -33,7 +32,9 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
+from xarray_gds import config
 from xarray_gds import device as _device
+from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
 from xarray_gds.codecs.encode import (
     EncodeChain,
@@ -44,7 +45,7 @@ from xarray_gds.codecs.encode import (
     plan_encode,
 )
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.store import DeviceBatch, GdsStore, read_ranges_device, read_ranges_host
+from xarray_gds.store import GdsStore, read_ranges_device, read_ranges_host
 
 __all__ = ["GdsCodecPipeline", "batch_bytes", "decode_fetched", "use_gds_pipeline"]
 
@@ -64,7 +65,7 @@ def batch_bytes(on_device: bool = True) -> int:
     current one decodes), so its working set stays bounded whatever its size.
     """
     default = 4 << 30 if on_device else 1 << 30
-    return int(os.environ.get("XARRAY_GDS_BATCH_BYTES", default))
+    return int(config.get("batch_bytes") or default)
 
 
 _config_lock = threading.RLock()
@@ -300,7 +301,7 @@ def pipeline_parts() -> int:
     the bottleneck, and fewer chunks per call use the GPU less well), so by default
     a read is split only when it exceeds the batch budget (:func:`batch_bytes`).
     """
-    return max(1, int(os.environ.get("XARRAY_GDS_PIPELINE_PARTS", 1)))
+    return max(1, int(config.get("pipeline_parts")))
 
 
 #: Reads smaller than this are not split: a decode call needs many chunks to fill the GPU.
@@ -687,7 +688,7 @@ def _host_batched_writes() -> bool:
     """Whether host values take the batched encoder too (``XARRAY_GDS_BATCHED_HOST_WRITES``
     set to 1). By default zarr-python writes host values; the batched host encoder
     makes the streams the GPU makes, and CI runs the device write logic through it."""
-    return os.environ.get("XARRAY_GDS_BATCHED_HOST_WRITES", "") == "1"
+    return bool(config.get("batched_host_writes"))
 
 
 def _covers(entry: Any, chunk_shape: tuple[int, ...]) -> bool:

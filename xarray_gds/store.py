@@ -16,7 +16,9 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Suf
 from zarr.core.buffer import Buffer, cpu
 from zarr.storage import LocalStore
 
+from xarray_gds import config
 from xarray_gds import device as _device
+from xarray_gds.batch import DeviceBatch, pack_offsets, parallel
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
@@ -76,8 +78,6 @@ def _read_device(path: Path, byte_range: ByteRequest | None) -> Any:
 
 def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
     """Whole files as uint8 arrays (``None`` for missing files), read by threads."""
-    from xarray_gds.codecs.host import parallel
-
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:
@@ -134,8 +134,6 @@ def remove_tree(path: str) -> None:
     """Delete the directory ``path`` and everything below it (as ``shutil.rmtree``:
     links inside it are removed, not followed, and ``path`` itself may not be a link),
     files and then each level of directories deleted in parallel on the host pool."""
-    from xarray_gds.codecs.host import parallel
-
     if os.path.islink(path):
         raise OSError(f"cannot remove a directory tree through a symbolic link: {path}")
 
@@ -159,29 +157,9 @@ def remove_tree(path: str) -> None:
         parallel(lambda i, level=level: os.rmdir(level[i]), len(level))
 
 
-@dataclass
-class DeviceBatch:
-    """Whole files packed into one device buffer.
-
-    Attributes
-    ----------
-    arena : cupy.ndarray
-        uint8 buffer holding every present file, each starting at a 16-byte boundary.
-    offsets, sizes : numpy.ndarray
-        int64 start and length of each file in ``arena``; ``sizes`` is -1 for
-        missing files.
-    """
-
-    arena: Any
-    offsets: np.ndarray
-    sizes: np.ndarray
-
-
 def _sizes(paths: list[str]) -> np.ndarray:
     """Size of each file, -1 for missing ones (``stat`` calls on :func:`read_threads`
     threads for files of no size: one by default)."""
-    from xarray_gds.codecs.host import parallel
-
     sizes = np.full(len(paths), -1, dtype=np.int64)
 
     def one(i: int) -> None:
@@ -210,22 +188,10 @@ def read_threads(mean_bytes: float) -> int:
     chunk with 1 thread, 17.4 with 2 and 28.3 with 16; reading 7,600 files of 158 KB
     into pinned memory 0.10 s with 4 threads and 0.17 s with 8, 16 or 32.
     """
-    configured = os.environ.get("XARRAY_GDS_READ_THREADS")
+    configured = config.get("read_threads")
     if configured:
         return max(1, int(configured))
     return 1 if mean_bytes < _THREADED_READ_BYTES else 4
-
-
-def pack_offsets(sizes: np.ndarray, align: int = 16) -> tuple[np.ndarray, int]:
-    """Start offsets (aligned) of buffers of ``sizes`` laid end to end, and the total.
-
-    The default alignment (16 bytes) is the strictest nvCOMP asks of its inputs.
-    """
-    padded = (np.maximum(sizes, 0) + align - 1) // align * align
-    offsets = np.zeros(len(sizes), dtype=np.int64)
-    if len(sizes):
-        np.cumsum(padded[:-1], out=offsets[1:])
-    return offsets, int(padded.sum())
 
 
 _OPEN_FILES = 512
@@ -239,7 +205,7 @@ def small_read_bytes() -> int:
     the device) outweigh the transfer, so threads read every range into one pinned
     host buffer and a single copy moves it to the device.
     """
-    return int(os.environ.get("XARRAY_GDS_SMALL_READ", 256 << 10))
+    return int(config.get("small_read"))
 
 
 #: Most pinned staging bytes that a read without ``stat`` calls reserves (its slots).
@@ -277,8 +243,6 @@ def _read_slotted(paths: list[str], slots: np.ndarray) -> DeviceBatch:
     dask's threads running beside it). Each region is packed (16-byte aligned) and
     copied to the device in one transfer.
     """
-    from xarray_gds.codecs.host import parallel
-
     cp = _device.cupy()
     import cupyx
 
@@ -421,8 +385,6 @@ def _pinned_size(nbytes: int) -> int:
 
 def _read_staged(reads: list[tuple[Any, int, int, int]], arena: Any, total: int) -> None:
     """Threads read every range into one pinned host buffer; one copy to ``arena``."""
-    from xarray_gds.codecs.host import parallel
-
     cp = _device.cupy()
     import cupyx
 
@@ -459,8 +421,6 @@ def read_ranges_host(
     paths: list[str] | list[Path], starts: np.ndarray, sizes: np.ndarray
 ) -> list[np.ndarray | None]:
     """Host counterpart of :func:`read_ranges_device`: a uint8 array per range."""
-    from xarray_gds.codecs.host import parallel
-
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:

@@ -24,8 +24,8 @@ import numpy as np
 import zarr.codecs as zc
 
 from xarray_gds import device as _device
+from xarray_gds.batch import pack_offsets
 from xarray_gds.codecs import DecodeChain, ShardChain, plan_chain
-from xarray_gds.store import pack_offsets
 
 __all__ = [
     "EncodeChain",

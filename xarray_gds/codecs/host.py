@@ -2,54 +2,18 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
-import itertools
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import google_crc32c
 import numpy as np
 from numcodecs.compat import ensure_ndarray
 
+from xarray_gds.batch import parallel
 from xarray_gds.codecs import Compressor
 from xarray_gds.errors import ChunkDecodeError
 
-__all__ = ["decompress", "strip_crc32c"]
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    workers = int(os.environ.get("XARRAY_GDS_HOST_THREADS", min(32, os.cpu_count() or 1)))
-    return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="xarray-gds")
-
-
-def parallel(fn: Any, n: int, workers: int | None = None) -> None:
-    """Run ``fn(i)`` for ``i`` in ``range(n)`` on the pool, in a few contiguous blocks
-    per worker (one future per block, not per item: per-item futures cost more than
-    decoding a small chunk). ``workers`` caps the threads used (all the pool's by
-    default); with one, or fewer than 4 items, everything runs in the calling thread."""
-    if n < 4 or workers == 1:
-        for i in range(n):
-            fn(i)
-        return
-    pool = _pool()
-    used = pool._max_workers if workers is None else max(1, min(workers, pool._max_workers))
-    blocks = min(n, 4 * used)
-    edges = np.linspace(0, n, blocks + 1).astype(int)
-    claim = itertools.count()  # next() is atomic: each block runs once
-
-    def run() -> None:
-        while (b := next(claim)) < blocks:
-            for i in range(edges[b], edges[b + 1]):
-                fn(i)
-
-    futures = [pool.submit(run) for _ in range(min(used, blocks))]
-    concurrent.futures.wait(futures)  # all of them, even when one failed
-    for future in futures:
-        future.result()
+__all__ = ["decompress", "parallel", "strip_crc32c"]
 
 
 def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]:

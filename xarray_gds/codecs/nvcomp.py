@@ -1,6 +1,6 @@
 """Device decoders: one nvCOMP batch call per batch of chunks, standard streams only.
 
-The chunks of a batch lie in one device arena (:class:`~xarray_gds.store.DeviceBatch`).
+The chunks of a batch lie in one device arena (:class:`~xarray_gds.batch.DeviceBatch`).
 Framing is handled here with host work on metadata only: the first bytes of every
 chunk are gathered in one kernel and copied to the host to check the stream headers
 (zstd magic and content size, numcodecs' LZ4 size prefix, zlib's header), then the
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import device as _device
+from xarray_gds.batch import DeviceBatch, pack_offsets
 from xarray_gds.codecs import DecodeChain, crc32c, framing
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.store import DeviceBatch, pack_offsets
 
 __all__ = ["decode", "decode_blosc", "gather", "pack"]
 
