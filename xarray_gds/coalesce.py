@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import device as _device
-from xarray_gds import pipeline
+from xarray_gds import pipeline, route
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.store import GdsStore, read_files_device, read_files_host
@@ -52,6 +52,7 @@ class _Request:
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
     taken: bool = False  #: in a group being served
+    host_decode: bool = False  #: a device request whose group decodes on the host
     result: tuple[list[int], Any] | None = None
     error: BaseException | None = None
 
@@ -59,6 +60,11 @@ class _Request:
     def done(self) -> bool:
         """Served: it has its chunks, or the error to raise."""
         return self.result is not None or self.error is not None
+
+    @property
+    def decode_on_device(self) -> bool:
+        """Whether its chunks are read into device memory and decoded by nvCOMP."""
+        return self.on_device and not self.host_decode
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +134,10 @@ def _lead_or_wait(request: _Request) -> None:
         group = _take()
         _reader = token
     try:
+        if group[0].on_device:
+            host = _host_route(group)
+            for r in group:
+                r.host_decode = host
         with _on_gpu(group[0]):
             fetched = _read_group(group)
             with _cond:  # the next group's read may start while this one decodes
@@ -174,10 +184,34 @@ def _take() -> list[_Request]:
     return group
 
 
+def _host_route(group: list[_Request]) -> bool:
+    """Whether a group of device requests decodes on the host (see :mod:`xarray_gds.route`):
+    when every decode chain of the group is faster there for its number of chunks."""
+    counts: list[tuple[DecodeChain, int]] = []
+    for r in group:
+        for i, (chain, n) in enumerate(counts):
+            if chain == r.chain:
+                counts[i] = (chain, n + len(r.keys))
+                break
+        else:
+            counts.append((r.chain, len(r.keys)))
+    return all(
+        route.choose(c.compressor.name if c.compressor else None, n, c.nbytes) == "host"
+        for c, n in counts
+    )
+
+
+def _deliver(r: _Request, present: list[int], chunks: Any) -> None:
+    """Hand ``r`` its chunks, on the device when it asked for them there."""
+    if r.host_decode and chunks is not None:
+        chunks = _device.cupy().asarray(chunks)
+    r.result = (present, chunks)
+
+
 def _read(group: list[_Request]) -> Any:
     """Every file of the requests of ``group``, in one batch."""
     paths = [p for r in group for p in r.paths]
-    if not group[0].on_device:
+    if not group[0].decode_on_device:
         return read_files_host(paths)
     slots = np.repeat([r.chain.stored_bound for r in group], [len(r.paths) for r in group])
     return read_files_device(paths, slots)
@@ -196,8 +230,8 @@ def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None
         if fetched is None:
             fetched = _read([r])
         elif idx is not None:
-            fetched = _subset(fetched, idx, r.on_device)
-        r.result = pipeline.decode_fetched(r.chain, fetched, r.keys, r.on_device)
+            fetched = _subset(fetched, idx, r.decode_on_device)
+        _deliver(r, *pipeline.decode_fetched(r.chain, fetched, r.keys, r.decode_on_device))
     except Exception as err:  # raised in the thread that asked
         r.error = err
 
@@ -239,7 +273,7 @@ def _decode_group(group: list[_Request], fetched: Any) -> None:
 
 
 def _decode_joined(group: list[_Request], spans: list[np.ndarray], fetched: Any) -> None:
-    on_device = group[0].on_device
+    on_device = group[0].decode_on_device
     by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
     for r, idx in zip(group, spans, strict=True):
         # chains compare equal across stores; they are not hashable (codec objects)
@@ -277,5 +311,5 @@ def _decode_members(
         first = int(np.searchsorted(found, at))
         last = int(np.searchsorted(found, at + len(r.keys)))
         mine = (found[first:last] - at).tolist()
-        r.result = (mine, chunks[first:last] if mine else None)
+        _deliver(r, mine, chunks[first:last] if mine else None)
         at += len(r.keys)

@@ -32,7 +32,7 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
-from xarray_gds import config
+from xarray_gds import config, route
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
@@ -210,7 +210,10 @@ class GdsCodecPipeline(CodecPipeline):
                 return await self._fallback.read(batch, out, drop_axes)
             if chain is not None:
                 self._warn_host_decode(batch[0][0].path, chain)
-            return await self._host_then_copy(batch, out, drop_axes)
+            return await self._host_then_copy(batch, out, drop_axes, self._fallback.read)
+        assert isinstance(chain, DecodeChain | ShardChain)
+        if on_device and _host_route(chain, len(batch)):  # few chunks: see xarray_gds.route
+            return await self._host_then_copy(batch, out, drop_axes, self.read)
         if isinstance(chain, ShardChain):
             return await _read_shards(chain, batch, out, drop_axes, on_device)
         assert isinstance(chain, DecodeChain)
@@ -228,12 +231,18 @@ class GdsCodecPipeline(CodecPipeline):
         return await _overlapped(len(parts), fetch, decode)
 
     async def _host_then_copy(
-        self, batch: list[Any], out: Any, drop_axes: tuple[int, ...]
+        self,
+        batch: list[Any],
+        out: Any,
+        drop_axes: tuple[int, ...],
+        read: Callable[..., Awaitable[tuple[GetResult, ...]]],
     ) -> tuple[GetResult, ...]:
-        """zarr's own pipeline into host memory, then one copy of the result to ``out``.
+        """``read`` (zarr's own pipeline, or the batched host read) into host memory,
+        then one copy of the result to ``out``.
 
         zarr's codecs are host codecs (its Zarr v2 codec cannot even take device
-        buffers), so GPU reads of arrays without a batched plan decode on the host.
+        buffers), so GPU reads of arrays without a batched plan decode on the host;
+        small batches of planned arrays decode there too when that is faster.
         """
         specs: dict[int, Any] = {}
 
@@ -251,7 +260,7 @@ class GdsCodecPipeline(CodecPipeline):
         host_batch = [(bg, on_host(spec), *rest) for bg, spec, *rest in batch]
         target = out.as_ndarray_like()
         host_out = cpu.NDBuffer.from_numpy_array(np.empty(target.shape, dtype=target.dtype))
-        results = await self._fallback.read(host_batch, host_out, drop_axes)
+        results = await read(host_batch, host_out, drop_axes)
         target[...] = _device.cupy().asarray(host_out.as_numpy_array())
         return results
 
@@ -279,6 +288,16 @@ class GdsCodecPipeline(CodecPipeline):
 
 
 register_pipeline(GdsCodecPipeline)
+
+
+def _host_route(chain: DecodeChain | ShardChain, n_chunks: int) -> bool:
+    """Whether a GPU read of ``n_chunks`` chunks (or shards) of ``chain`` decodes faster
+    on the host pool (see :mod:`xarray_gds.route`)."""
+    if isinstance(chain, ShardChain):
+        n_chunks *= math.prod(chain.grid)
+        chain = chain.inner
+    name = chain.compressor.name if chain.compressor is not None else None
+    return route.choose(name, n_chunks, chain.nbytes) == "host"
 
 
 def _budget(on_device: bool) -> int:
