@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Any
 
 import numpy as np
@@ -11,8 +13,9 @@ from xarray.core import indexing
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
 from xarray_gds.region import is_box_key, read_box
+from xarray_gds.region import read_boxes as _region_read_boxes
 
-__all__ = ["GdsBackendArray", "HostDecodedArray"]
+__all__ = ["GdsBackendArray", "HostDecodedArray", "read_boxes"]
 
 
 class GdsBackendArray(BackendArray):
@@ -66,6 +69,12 @@ class GdsBackendArray(BackendArray):
             key, self.shape, indexing.IndexingSupport.VECTORIZED, method
         )
 
+    async def async_getitem(self, key: indexing.ExplicitIndexer) -> Any:
+        """``self[key]``, joined with the other reads awaited in the same step of the
+        event loop (``Dataset.load_async`` gathers every variable's): one batch for
+        all of them, read in a worker thread (see :func:`xarray_gds.engine.read_many`)."""
+        return await _batcher().submit(self, key)
+
     # Each reader returns raw values on the device; _finish decodes them. Boxes of
     # arrays with a batched plan skip zarr's per-chunk indexing (see xarray_gds.region).
     def _basic(self, key: tuple[Any, ...]) -> Any:
@@ -111,6 +120,74 @@ class GdsBackendArray(BackendArray):
         if self._cf is not None:
             values = self._cf.apply(values, xp)
         return values
+
+
+def read_boxes(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any]:
+    """``array[key]`` (integer and slice keys) of every item, CF-decoded, their chunks
+    read together (:func:`xarray_gds.region.read_boxes`); an entry holds the exception
+    of a read that failed."""
+    got = _region_read_boxes([(a._array, key, a._device) for a, key in items])
+    out: list[Any] = []
+    for (a, key), value in zip(items, got, strict=True):
+        try:
+            if isinstance(value, BaseException):
+                raise value
+            if value is None:  # not a box read: zarr's own indexing
+                value = a._array.get_basic_selection(key, prototype=a._prototype())
+            out.append(a._finish(value))
+        except Exception as err:
+            out.append(err)
+    return out
+
+
+class _Batcher:
+    """The reads awaited in one step of an event loop, served as one (see async_getitem)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: list[tuple[Any, indexing.ExplicitIndexer, asyncio.Future[Any]]] = []
+
+    def submit(self, array: Any, key: indexing.ExplicitIndexer) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = self._loop.create_future()
+        if not self._pending:  # after every task ready in this step has submitted
+            self._loop.call_soon(self._flush)
+        self._pending.append((array, key, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._serve(batch))
+        _tasks.add(task)
+        task.add_done_callback(_tasks.discard)
+
+    async def _serve(self, batch: list[tuple[Any, Any, asyncio.Future[Any]]]) -> None:
+        from xarray_gds.engine import read_many
+
+        try:
+            values = await asyncio.to_thread(read_many, [(a, k) for a, k, _ in batch])
+        except BaseException as err:
+            values = [err] * len(batch)
+        for (_, _, future), value in zip(batch, values, strict=True):
+            if future.cancelled():
+                continue
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+
+_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (
+    weakref.WeakKeyDictionary()
+)
+_tasks: set[asyncio.Future[None]] = set()
+
+
+def _batcher() -> _Batcher:
+    loop = asyncio.get_running_loop()
+    batcher = _batchers.get(loop)
+    if batcher is None:
+        batcher = _batchers[loop] = _Batcher(loop)
+    return batcher
 
 
 def _coordinates(key: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -162,3 +239,7 @@ class HostDecodedArray(BackendArray):
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         values = np.asarray(self._decoded[key])
         return _device.array_module(self._device).asarray(values)
+
+    async def async_getitem(self, key: indexing.ExplicitIndexer) -> Any:
+        """``self[key]`` in a worker thread (xarray decodes these on the host)."""
+        return await asyncio.to_thread(self.__getitem__, key)

@@ -19,6 +19,7 @@ from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
+from xarray_gds import fuse
 from xarray_gds.array import GdsBackendArray, HostDecodedArray
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
@@ -139,6 +140,7 @@ def _dataset_from_store(
     use_cftime: Any,
     decode_timedelta: Any,
 ) -> xr.Dataset:
+    fuse.install()  # dask blocks of these arrays read in joined batches (xarray_gds.fuse)
     raw_vars, attrs = zstore.load()
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given

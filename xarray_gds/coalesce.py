@@ -41,7 +41,7 @@ from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.store import GdsStore, read_files_device, read_files_host
 
-__all__ = ["fetch_decode"]
+__all__ = ["fetch_decode", "fetch_decode_many"]
 
 
 @dataclass(eq=False)
@@ -116,6 +116,39 @@ def fetch_decode(
         raise request.error
     assert request.result is not None
     return request.result
+
+
+def fetch_decode_many(
+    items: list[tuple[GdsStore, DecodeChain, list[str], bool]],
+) -> list[tuple[list[int], Any] | BaseException]:
+    """:func:`fetch_decode` of every ``(store, chain, keys, on_device)`` at once: all of
+    them wait together, so the thread that serves them reads and decodes them in as few
+    groups as the batch budget allows. Each entry of the result is what
+    :func:`fetch_decode` returns for that item, or the exception it raises."""
+    requests = []
+    for store, chain, keys, on_device in items:
+        gpu = _device.cupy().cuda.Device().id if on_device else -1
+        requests.append(_Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu))
+    with _cond:
+        _waiting.extend(requests)
+    try:
+        for request in requests:
+            while not request.done:
+                _lead_or_wait(request)
+    except BaseException:
+        with _cond:  # interrupted: nobody is to read these requests any more
+            for request in requests:
+                if not request.taken and request in _waiting:
+                    _waiting.remove(request)
+        raise
+    out: list[tuple[list[int], Any] | BaseException] = []
+    for request in requests:
+        if request.error is not None:
+            out.append(request.error)
+        else:
+            assert request.result is not None
+            out.append(request.result)
+    return out
 
 
 def _lead_or_wait(request: _Request) -> None:

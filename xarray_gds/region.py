@@ -24,7 +24,7 @@ from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.store import GdsStore
 
-__all__ = ["is_box_key", "read_box"]
+__all__ = ["is_box_key", "read_box", "read_boxes"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,76 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
     cupy.ndarray, numpy.ndarray or None
         The values in native byte order, integer-indexed axes dropped.
     """
+    (value,) = read_boxes([(array, key, device)])
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def read_boxes(items: list[tuple[Any, tuple[Any, ...], _device.Device]]) -> list[Any]:
+    """:func:`read_box` of every ``(array, key, device)``, their chunks read together: the
+    boxes that fit in one batch each are joined into as few reads and decodes as the
+    batch budget allows (:func:`xarray_gds.coalesce.fetch_decode_many`), across arrays
+    and stores. Each entry of the result is the box's values, ``None`` (not a box read:
+    see :func:`read_box`) or the exception its chunks raised."""
+    plans = [_plan(*item) for item in items]
+    out: list[Any] = [None] * len(items)
+    joined = [i for i, p in enumerate(plans) if p is not None and len(p.parts) == 1]
+    fetched = coalesce.fetch_decode_many(
+        [
+            (p.store, p.chain, p.reader.keys(0, p.box.grid[0]), p.on_device)
+            for p in (plans[i] for i in joined)
+            if p is not None
+        ]
+    )
+    for i, got in zip(joined, fetched, strict=True):
+        p = plans[i]
+        assert p is not None
+        if isinstance(got, BaseException):
+            out[i] = got
+            continue
+        try:
+            p.reader.place(p.out, 0, p.box.grid[0], got)
+            out[i] = p.result()
+        except Exception as err:
+            out[i] = err
+    for i, p in enumerate(plans):
+        if p is not None and len(p.parts) > 1:
+            out[i] = p.read_parts()
+    return out
+
+
+@dataclass
+class _Planned:
+    """A box read: its chunks, parts (rows of chunks per batch) and output."""
+
+    store: GdsStore
+    chain: DecodeChain
+    box: _Box
+    reader: _Reader
+    parts: list[tuple[int, int]]
+    out: Any
+    on_device: bool
+
+    def result(self) -> Any:
+        return self.out.squeeze(axis=self.box.drop) if self.box.drop else self.out
+
+    def read_parts(self) -> Any:
+        """Part k + 1 read while part k decodes, as in the pipeline."""
+        reader = self.reader
+        with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-box") as pool:
+            pending = pool.submit(reader.fetch, *self.parts[0])
+            for k, (r0, r1) in enumerate(self.parts):
+                keys, data = pending.result()
+                if k + 1 < len(self.parts):
+                    pending = pool.submit(reader.fetch, *self.parts[k + 1])
+                decoded = pipeline.decode_fetched(self.chain, data, keys, self.on_device)
+                reader.place(self.out, r0, r1, decoded)
+        return self.result()
+
+
+def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned | None:
+    """The box read of ``array[key]``, or None when it is not one (see :func:`read_box`)."""
     on_device = device == "cuda"
     asynchronous = array.async_array
     pipe = asynchronous.codec_pipeline
@@ -115,21 +185,7 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
     shape = tuple(b - a for a, b in zip(box.start, box.stop, strict=True))
     out = xp.empty(shape, dtype=chain.dtype.newbyteorder("="))
     parts = [(r, min(r + rows_per_part, box.grid[0])) for r in range(0, box.grid[0], rows_per_part)]
-    if len(parts) == 1:  # joined with the reads other threads make meanwhile
-        keys = reader.keys(0, box.grid[0])
-        reader.place(out, 0, box.grid[0], coalesce.fetch_decode(store, chain, keys, on_device))
-    else:  # part k + 1 is read while part k decodes, as in the pipeline
-        with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-box") as pool:
-            pending = pool.submit(reader.fetch, *parts[0])
-            for k, (r0, r1) in enumerate(parts):
-                keys, data = pending.result()
-                if k + 1 < len(parts):
-                    pending = pool.submit(reader.fetch, *parts[k + 1])
-                decoded = pipeline.decode_fetched(chain, data, keys, on_device)
-                reader.place(out, r0, r1, decoded)
-    if box.drop:
-        out = out.squeeze(axis=box.drop)
-    return out
+    return _Planned(store, chain, box, reader, parts, out, on_device)
 
 
 class _Reader:

@@ -1,0 +1,254 @@
+"""Dask blocks of xarray-gds arrays read in joined batches, whatever the scheduler.
+
+xarray turns every chunk of a lazily loaded variable into its own dask task, so with
+``chunks={}`` (and ``open_mfdataset``'s defaults) each task reads one stored chunk:
+one nvCOMP call a chunk, which leaves most of the GPU idle. :func:`optimize` is a
+dask array optimization (dask's public ``array_optimize`` setting, which
+:func:`install` sets once, keeping any optimization already set there): before dask's
+own passes, it finds the block-reading tasks of every xarray-gds array in the graph
+being computed, after culling (so only the blocks the computation needs), across
+variables and stores, and replaces them with a few group tasks, each reading at most
+``xarray_gds.fuse_bytes`` of blocks in one joined read (one file batch and one decode
+per codec chain), and one cheap task a block that takes its block from its group.
+
+Blocks come back as they would without it: CuPy blocks through
+:class:`~xarray_gds.chunks.GdsDaskManager`, numpy blocks through xarray's default
+dask manager (which declares numpy blocks for every backend array; a one-time
+warning says how to keep them on the GPU). Under ``dask.distributed`` there are at
+least as many groups as workers, so every worker reads and decodes its own share.
+``xarray_gds.fuse_dask = False`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from xarray_gds import config
+
+__all__ = ["install", "optimize"]
+
+_lock = threading.Lock()
+_warned_host_blocks = False
+
+
+class _Optimizer:
+    """The ``array_optimize`` callable: this pass, then the optimization it replaced."""
+
+    def __init__(self, then: Any) -> None:
+        self.then = then
+
+    def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        from dask.array.optimization import optimize as dask_optimize
+
+        dsk = optimize(dsk, keys)
+        return (self.then or dask_optimize)(dsk, keys, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_Optimizer, (self.then,))
+
+
+def install() -> None:
+    """Make :func:`optimize` part of dask's array optimization (once per process)."""
+    try:
+        import dask
+    except ImportError:  # dask is optional
+        return
+    with _lock:
+        current = dask.config.get("array_optimize", None)
+        if isinstance(current, _Optimizer):
+            return
+        dask.config.set(array_optimize=_Optimizer(current))
+
+
+def _source(value: Any) -> tuple[Any, bool] | None:
+    """``(adapter, device_blocks)`` when ``value`` is what xarray hands dask for an
+    xarray-gds array (through either chunk manager), else None."""
+    from xarray.core import indexing
+
+    from xarray_gds.array import GdsBackendArray
+    from xarray_gds.chunks import DeviceBlocks
+
+    device_blocks = isinstance(value, DeviceBlocks)
+    adapter = value._data if device_blocks else value
+    if not isinstance(adapter, indexing.ImplicitToExplicitIndexingAdapter):
+        return None
+    inner = adapter.array
+    for _ in range(8):
+        if isinstance(inner, indexing.LazilyIndexedArray):
+            return (adapter, device_blocks) if isinstance(inner.array, GdsBackendArray) else None
+        if not isinstance(inner, indexing.CopyOnWriteArray | indexing.MemoryCachedArray):
+            return None
+        inner = inner.array
+    return None
+
+
+def _find_sources(dsk: Any) -> dict[Hashable, tuple[Any, bool]]:
+    from dask.highlevelgraph import HighLevelGraph
+
+    found: dict[Hashable, tuple[Any, bool]] = {}
+    if isinstance(dsk, HighLevelGraph):
+        for layer in dsk.layers.values():
+            if len(layer) != 1 or type(layer).__name__ != "MaterializedLayer":
+                continue
+            for key, value in layer.items():
+                if (src := _source(value)) is not None:
+                    found[key] = src
+    return found
+
+
+def optimize(dsk: Any, keys: Any) -> Any:
+    """The graph with the block reads of xarray-gds arrays joined into groups (see the
+    module docstring); ``dsk`` unchanged when it reads none."""
+    if not config.get("fuse_dask"):
+        return dsk
+    sources = _find_sources(dsk)
+    if not sources:
+        return dsk
+    from dask._task_spec import DataNode, Task, TaskRef, convert_legacy_graph
+    from dask.array.core import getter, getter_inline, getter_nofancy
+    from dask.core import flatten
+    from dask.highlevelgraph import ensure_dict
+    from dask.optimization import cull
+
+    graph = convert_legacy_graph(ensure_dict(dsk))
+    graph, _ = cull(graph, list(flatten(keys)))
+    blocks: list[tuple[Hashable, Hashable, Any]] = []  # (block key, source key, slices)
+    for key, task in graph.items():
+        if not isinstance(task, Task) or task.func not in (getter, getter_nofancy, getter_inline):
+            continue
+        if len(task.args) != 2 or task.kwargs.get("lock"):
+            continue
+        ref, where = task.args
+        if not isinstance(ref, TaskRef) or ref.key not in sources:
+            continue
+        slices = where.value if isinstance(where, DataNode) else where
+        if not isinstance(slices, tuple) or not all(isinstance(s, slice) for s in slices):
+            continue
+        blocks.append((key, ref.key, slices))
+    if not blocks:
+        return dsk
+    _warn_host_blocks(sources, {s for _, s, _ in blocks})
+    groups = _groups(blocks, sources)
+    for g, members in enumerate(groups):
+        refs = sorted({s for _, s, _ in members}, key=str)
+        plan = [(refs.index(s), slices) for _, s, slices in members]
+        group_key = (f"xarray-gds-read-{_token(members)}", g)
+        graph[group_key] = Task(
+            group_key,
+            _read_group,
+            DataNode(None, plan),
+            *(TaskRef(r) for r in refs),  # type: ignore[arg-type]
+        )
+        for i, (key, _, _) in enumerate(members):
+            graph[key] = Task(key, _pick, TaskRef(group_key), i)
+    return graph
+
+
+def _token(members: list[Any]) -> str:
+    from dask.base import tokenize
+
+    return tokenize([str(k) for k, _, _ in members[:4]], len(members))
+
+
+def _nbytes(slices: tuple[slice, ...], adapter: Any) -> int:
+    n = math.prod(max(0, (s.stop or 0) - (s.start or 0)) for s in slices)
+    return n * np.dtype(adapter.dtype).itemsize
+
+
+def _groups(
+    blocks: list[tuple[Hashable, Hashable, Any]], sources: dict[Hashable, tuple[Any, bool]]
+) -> list[list[tuple[Hashable, Hashable, Any]]]:
+    """Blocks cut into groups of at most ``fuse_bytes`` (in graph order, so that the
+    blocks of one array stay together), at least one group per distributed worker."""
+    sizes = [_nbytes(slices, sources[s][0]) for _, s, slices in blocks]
+    total = sum(sizes)
+    limit = max(1, int(config.get("fuse_bytes")))
+    n_groups = max(1, -(-total // limit), min(len(blocks), _n_workers()))
+    per_group = -(-total // n_groups)
+    groups: list[list[tuple[Hashable, Hashable, Any]]] = [[]]
+    held = 0
+    for block, size in zip(blocks, sizes, strict=True):
+        if groups[-1] and held + size > per_group:
+            groups.append([])
+            held = 0
+        groups[-1].append(block)
+        held += size
+    return groups
+
+
+def _n_workers() -> int:
+    """Workers of the current dask.distributed client (0 without one)."""
+    try:
+        from distributed import default_client
+    except ImportError:
+        return 0
+    try:
+        client = default_client()
+    except ValueError:
+        return 0
+    try:
+        return len(client.scheduler_info(n_workers=-1).get("workers", {}))
+    except Exception:
+        return 0
+
+
+def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hashable]) -> None:
+    global _warned_host_blocks
+    if _warned_host_blocks:
+        return
+    for key in used:
+        adapter, device_blocks = sources[key]
+        lazy = adapter.array
+        while not hasattr(lazy, "key"):
+            lazy = lazy.array
+        if not device_blocks and lazy.array.device == "cuda":
+            _warned_host_blocks = True
+            warnings.warn(
+                f"xarray-gds: the dask blocks of {lazy.array.name!r} are decoded on the GPU "
+                "and then copied to host memory (numpy), because xarray's default dask "
+                "chunk manager declares numpy blocks for every backend array. To keep them "
+                "on the GPU as CuPy blocks, pass "
+                "chunked_array_type=xarray_gds.GdsDaskManager() to xr.open_dataset or "
+                "xr.open_mfdataset (see the Dask page of the docs).",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+
+
+def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tuple[Any, ...]:
+    """Every block of a group, read in one joined batch (:func:`xarray_gds.engine.read_many`);
+    a block whose chunks failed holds its exception, which :func:`_pick` raises."""
+    from xarray.namedarray.pycompat import to_numpy
+
+    from xarray_gds import engine
+    from xarray_gds.chunks import DeviceBlocks
+
+    wanted = []
+    for s, slices in plan:
+        src = sources[s]
+        adapter = src._data if isinstance(src, DeviceBlocks) else src
+        lazy = adapter[slices]  # xarray's own key arithmetic; reads nothing
+        while not hasattr(lazy, "key"):
+            lazy = lazy.array
+        wanted.append((lazy.array, lazy.key))
+    values = engine.read_many(wanted)
+    out = []
+    for (s, _), value in zip(plan, values, strict=True):
+        if not isinstance(sources[s], DeviceBlocks) and not isinstance(value, BaseException):
+            value = to_numpy(value)
+        out.append(value)
+    return tuple(out)
+
+
+def _pick(blocks: tuple[Any, ...], i: int) -> Any:
+    block = blocks[i]
+    if isinstance(block, BaseException):
+        raise block
+    return block
