@@ -1,0 +1,347 @@
+"""The read engine across requests: joined dask blocks (fuse), load_async gathers,
+the decode route chosen by cost, and the settings that steer them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+import xarray_gds
+from tests.conftest import assert_placed, to_numpy
+from xarray_gds import coalesce, config, fuse, route
+from xarray_gds.errors import ChunkDecodeError
+
+STORE_CASES = [(3, "zstd"), (2, "zstd"), (3, "sharded"), (2, "blosc"), (3, "gzip"), (2, "lz4")]
+
+
+@pytest.fixture(params=STORE_CASES, ids=[f"v{f}-{c}" for f, c in STORE_CASES])
+def store(request: pytest.FixtureRequest, store_factory: Callable[[int, str], Path]) -> Path:
+    zarr_format, codec = request.param
+    return store_factory(zarr_format, codec)
+
+
+@pytest.fixture
+def joined_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The number of reads in each joined call (coalesce.fetch_decode_many)."""
+    calls: list[int] = []
+    original = coalesce.fetch_decode_many
+
+    def spy(items: list[Any]) -> Any:
+        calls.append(len(items))
+        return original(items)
+
+    monkeypatch.setattr(coalesce, "fetch_decode_many", spy)
+    yield calls
+
+
+def _open(path: Path, device: str, **kwargs: Any) -> tuple[xr.Dataset, xr.Dataset]:
+    if device == "cuda" and "chunks" in kwargs:
+        kwargs["chunked_array_type"] = xarray_gds.GdsDaskManager()
+    gds = xr.open_dataset(path, engine="gds-zarr", device=device, **kwargs)
+    kwargs.pop("chunked_array_type", None)
+    return gds, xr.open_dataset(path, engine="zarr", **kwargs)
+
+
+def _numeric(ds: xr.Dataset) -> list[str]:
+    return [str(n) for n, v in ds.data_vars.items() if v.dtype.kind in "biufc" and v.ndim >= 2]
+
+
+# -- dask blocks joined into groups -------------------------------------------------
+
+SELECTIONS: list[Callable[[xr.Dataset], xr.Dataset]] = [
+    lambda ds: ds,
+    lambda ds: ds.isel(time=slice(2, 7)),
+    lambda ds: ds.isel(time=3),
+    lambda ds: ds.isel(time=[0, 4, 9], lat=slice(1, 8)),
+    lambda ds: ds.isel(lon=slice(None, None, 3)),
+]
+
+
+@pytest.mark.parametrize("select", range(len(SELECTIONS)))
+def test_dask_compute_matches_zarr(store: Path, device: str, select: int) -> None:
+    gds, ref = _open(store, device, chunks={})
+    pick = SELECTIONS[select]
+    with dask.config.set(scheduler="threads"):
+        got = pick(gds).compute()
+    xr.testing.assert_identical(to_numpy(got), pick(ref).compute())
+    assert_placed(got, device)
+
+
+def test_dask_reduction_matches_zarr(store: Path, device: str) -> None:
+    gds, ref = _open(store, device, chunks={})
+    names = _numeric(ref)
+    got = gds[names].mean("time").compute()
+    want = ref[names].mean("time").compute()
+    xr.testing.assert_allclose(to_numpy(got), want, rtol=1e-6)
+
+
+def test_compute_joins_every_variable_into_one_call(
+    v3_store: Path, joined_calls: list[int]
+) -> None:
+    gds, ref = _open(v3_store, "cpu", chunks={})
+    names = _numeric(ref)
+    n_blocks = sum(gds[n].data.npartitions for n in names)
+    assert n_blocks > len(names)  # several blocks a variable
+    with dask.config.set(scheduler="threads"):
+        got = gds[names].compute()
+    xr.testing.assert_identical(got, ref[names].compute())
+    # one joined call; each variable's blocks tile it, so one box a variable
+    chunked = [n for n, v in gds[names].variables.items() if v.chunks and n not in gds.indexes]
+    assert joined_calls == [len(chunked)]
+
+
+def test_scattered_blocks_are_joined_too(v3_store: Path, joined_calls: list[int]) -> None:
+    gds, ref = _open(v3_store, "cpu", chunks={})
+    got = gds.t2m.isel(time=[0, 5, 9]).compute()
+    xr.testing.assert_identical(got, ref.t2m.isel(time=[0, 5, 9]).compute())
+    assert len(joined_calls) == 1 and joined_calls[0] > 1
+
+
+def test_fuse_off_reads_each_block_alone(v3_store: Path, joined_calls: list[int]) -> None:
+    gds, ref = _open(v3_store, "cpu", chunks={})
+    with zarr.config.set({"xarray_gds.fuse_dask": False}), dask.config.set(scheduler="sync"):
+        got = gds.t2m.compute()
+    xr.testing.assert_identical(got, ref.t2m.compute())
+    assert set(joined_calls) == {1}  # one read a block (coordinates' blocks too)
+    assert len(joined_calls) >= gds.t2m.data.npartitions
+
+
+def test_groups_bounded_by_fuse_bytes(v3_store: Path, joined_calls: list[int]) -> None:
+    gds, ref = _open(v3_store, "cpu", chunks={})
+    block = gds.t2m.data.blocks[0, 0, 0].nbytes
+    with zarr.config.set({"xarray_gds.fuse_bytes": block}), dask.config.set(scheduler="sync"):
+        got = gds.t2m.compute()
+    xr.testing.assert_identical(got, ref.t2m.compute())
+    assert len(joined_calls) >= gds.t2m.data.npartitions // 2
+
+
+def test_open_mfdataset_defaults_join_stores(
+    tmp_path: Path, joined_calls: list[int], store_factory: Any
+) -> None:
+    from tests.conftest import sample_dataset, write_store
+
+    paths = []
+    for i in range(4):
+        ds = sample_dataset(seed=i)
+        ds = ds.assign_coords(time=ds.time + np.timedelta64(10 * 6 * i, "h"))
+        paths.append(write_store(tmp_path / f"s{i}.zarr", 3, "zstd", ds))
+    gds = xr.open_mfdataset(paths, engine="gds-zarr", device="cpu")
+    ref = xr.open_mfdataset(paths, engine="zarr")
+    joined_calls.clear()
+    with dask.config.set(scheduler="threads"):
+        got = gds.t2m.compute()
+    xr.testing.assert_identical(got, ref.t2m.compute())
+    # the four stores' boxes (and their 2-D coordinates') in one call
+    assert len(joined_calls) == 1 and joined_calls[0] >= 4
+
+
+def test_damaged_chunk_fails_its_blocks_only(tmp_path: Path) -> None:
+    ds = xr.Dataset(
+        {
+            "a": (("t", "x"), np.arange(40.0).reshape(4, 10)),
+            "b": (("t", "x"), np.arange(40.0).reshape(4, 10) * 2),
+        }
+    )
+    path = tmp_path / "d.zarr"
+    enc = {v: {"chunks": (1, 10), "compressors": [zarr.codecs.ZstdCodec()]} for v in ds}
+    ds.to_zarr(path, mode="w", encoding=enc, zarr_format=3, consolidated=False)
+    (path / "a" / "c" / "2" / "0").write_bytes(b"not zstd at all")
+    gds = xr.open_dataset(path, engine="gds-zarr", device="cpu", chunks={})
+    with pytest.raises(ChunkDecodeError, match=r"a/c/2/0"):
+        gds.compute()
+    xr.testing.assert_identical(gds.b.compute(), ds.b)  # the other variable still reads
+    xr.testing.assert_identical(gds.a.isel(t=[0, 1, 3]).compute(), ds.a.isel(t=[0, 1, 3]))
+
+
+def test_optimize_leaves_other_graphs_alone() -> None:
+    import dask.array as da
+
+    x = da.arange(12, chunks=4)
+    graph = x.__dask_graph__()
+    assert fuse.optimize(graph, x.__dask_keys__()) is graph
+
+
+def test_install_keeps_an_existing_optimization() -> None:
+    seen: list[int] = []
+
+    def mine(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        from dask.array.optimization import optimize
+
+        return optimize(dsk, keys, **kwargs)
+
+    import dask.array as da
+
+    with dask.config.set(array_optimize=mine):
+        fuse.install()
+        assert isinstance(dask.config.get("array_optimize"), fuse._Optimizer)
+        fuse.install()  # once only
+        assert dask.config.get("array_optimize").then is mine
+        assert int(da.arange(6, chunks=2).sum().compute()) == 15
+    assert seen == [1]
+
+
+@pytest.mark.gpu
+def test_default_manager_warns_once_and_gives_numpy(v3_store: Path) -> None:
+    fuse._warned_host_blocks = False
+    gds = xr.open_dataset(v3_store, engine="gds-zarr", device="cuda", chunks={})
+    with pytest.warns(UserWarning, match=r"GdsDaskManager"):
+        got = gds.t2m.compute()
+    assert isinstance(got.data, np.ndarray)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gds.u10.compute()  # once a process
+
+
+@pytest.mark.gpu
+def test_gds_manager_blocks_stay_cupy(v3_store: Path) -> None:
+    import cupy as cp
+
+    gds, ref = _open(v3_store, "cuda", chunks={})
+    got = gds.t2m.mean("time").compute()
+    assert isinstance(got.data, cp.ndarray)
+    xr.testing.assert_allclose(to_numpy(got), ref.t2m.mean("time").compute(), rtol=1e-6)
+    block = gds.t2m.data.blocks[1, 0, 0].compute()
+    assert isinstance(block, cp.ndarray)
+
+
+# -- load_async ---------------------------------------------------------------------
+
+
+def test_load_async_matches_zarr(store: Path, device: str) -> None:
+    gds, ref = _open(store, device)
+
+    async def load() -> xr.Dataset:
+        return await gds.load_async()
+
+    got = asyncio.run(load())
+    xr.testing.assert_identical(to_numpy(got), ref.load())
+    assert_placed(got, device)
+
+
+def test_load_async_joins_variables(v3_store: Path, joined_calls: list[int]) -> None:
+    gds, ref = _open(v3_store, "cpu")
+    names = _numeric(ref)
+
+    async def load() -> xr.Dataset:
+        return await gds[names].load_async()
+
+    got = asyncio.run(load())
+    xr.testing.assert_identical(got, ref[names].load())
+    device_vars = [n for n in gds[names].variables if xarray_gds.placement(n, gds[n].variable)]
+    assert joined_calls == [len(device_vars)]  # every variable's chunks in one call
+
+
+def test_dataarray_load_async_and_selection(v3_store: Path) -> None:
+    gds, ref = _open(v3_store, "cpu")
+
+    async def load() -> list[xr.DataArray]:
+        return list(
+            await asyncio.gather(
+                gds.t2m.isel(time=2).load_async(), gds.t2m.isel(lat=[1, 3]).load_async()
+            )
+        )
+
+    a, b = asyncio.run(load())
+    xr.testing.assert_identical(a, ref.t2m.isel(time=2).load())
+    xr.testing.assert_identical(b, ref.t2m.isel(lat=[1, 3]).load())
+
+
+def test_load_async_error_names_chunk(tmp_path: Path) -> None:
+    ds = xr.Dataset({"a": (("t", "x"), np.arange(20.0).reshape(2, 10))})
+    path = tmp_path / "d.zarr"
+    enc = {"a": {"chunks": (1, 10), "compressors": [zarr.codecs.ZstdCodec()]}}
+    ds.to_zarr(path, mode="w", encoding=enc, zarr_format=3, consolidated=False)
+    (path / "a" / "c" / "1" / "0").write_bytes(b"garbage")
+    gds = xr.open_dataset(path, engine="gds-zarr", device="cpu")
+
+    async def load() -> Any:
+        return await gds.load_async()
+
+    with pytest.raises(ChunkDecodeError, match=r"a/c/1/0"):
+        asyncio.run(load())
+
+
+# -- the decode route ---------------------------------------------------------------
+
+
+def test_route_small_batches_go_to_the_host() -> None:
+    with zarr.config.set({"xarray_gds.route_constants": {"threads": 16}}):
+        _small_batches_go_to_the_host()
+
+
+def _small_batches_go_to_the_host() -> None:
+    assert route.choose("zstd", 1, 4 << 20) == "host"
+    assert route.choose("zstd", 16, 4 << 20) == "host"
+    assert route.choose("zstd", 480, 4 << 20) == "gpu"
+    assert route.choose(None, 1, 4 << 20) == "gpu"  # nothing to decode
+    gpu, host = route.estimate("zstd", 480, 4 << 20)
+    assert gpu < host
+
+
+def test_route_forced_and_constants_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    with zarr.config.set({"xarray_gds.route": "gpu"}):
+        assert route.choose("zstd", 1, 4 << 20) == "gpu"
+    monkeypatch.setenv("XARRAY_GDS_ROUTE", "host")
+    assert route.choose("zstd", 10_000, 4 << 20) == "host"
+    with zarr.config.set({"xarray_gds.route": "auto"}):  # the config key wins
+        assert route.choose("zstd", 10_000, 4 << 20) == "gpu"
+    monkeypatch.delenv("XARRAY_GDS_ROUTE")
+    fast_host = {"rates": {"zstd": {"host_thread": 1e15}}, "h2d": 1e15}
+    with zarr.config.set({"xarray_gds.route_constants": fast_host}):
+        assert route.choose("zstd", 10_000, 4 << 20) == "host"
+    monkeypatch.setenv("XARRAY_GDS_ROUTE_CONSTANTS", json.dumps({"gpu_call": 10.0}))
+    assert route.choose("zstd", 100, 4 << 20) == "host"
+    assert json.loads(route.costs().to_json())["gpu_call"] == 10.0
+
+
+def test_route_bad_settings_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    with (
+        zarr.config.set({"xarray_gds.route": "fastest"}),
+        pytest.raises(ValueError, match=r"'auto', 'gpu' or 'host'"),
+    ):
+        route.choose("zstd", 1, 100)
+    monkeypatch.setenv("XARRAY_GDS_ROUTE_CONSTANTS", "{not json")
+    with pytest.raises(ValueError, match=r"not valid JSON.*calibrate"):
+        route.costs()
+    monkeypatch.setenv("XARRAY_GDS_ROUTE_CONSTANTS", json.dumps({"speed": 1}))
+    with pytest.raises(ValueError, match=r"unknown fields \['speed'\]"):
+        route.costs()
+
+
+def test_config_key_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", "1234")
+    assert config.get("batch_bytes") == 1234
+    with zarr.config.set({"xarray_gds.batch_bytes": 99}):
+        assert config.get("batch_bytes") == 99
+    monkeypatch.setenv("XARRAY_GDS_FUSE_DASK", "0")
+    assert config.get("fuse_dask") is False
+    monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"XARRAY_GDS_BATCH_BYTES.*must be a int"):
+        config.get("batch_bytes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forced", ["gpu", "host", "auto"])
+def test_device_reads_identical_on_every_route(store: Path, forced: str) -> None:
+    import cupy as cp
+
+    with zarr.config.set({"xarray_gds.route": forced}):
+        for select in SELECTIONS:
+            gds, ref = _open(store, "cuda")
+            got = select(gds).load()
+            for name in _numeric(ref):
+                assert isinstance(got[name].data, cp.ndarray)
+            xr.testing.assert_identical(to_numpy(got), select(ref).load())
+            gds, ref = _open(store, "cuda", chunks={})
+            xr.testing.assert_identical(to_numpy(select(gds).compute()), select(ref).compute())
