@@ -55,6 +55,7 @@ def make_store(
     zarr_format: int = 3,
     shard_bytes: int | None = None,
     compressor: Any = "zstd",
+    variables: int = 1,
 ) -> Path:
     """Write a float32 (time, y, x) dataset of about ``nbytes`` with zstd chunks.
 
@@ -92,19 +93,21 @@ def make_store(
     base = (np.sin(yy) * np.cos(xx) * 20 + 280).astype("f4")
     block_t = max(1, min(nt, (256 << 20) // (ny_total * nx * 4)))
     block_t = max(steps_per_chunk, block_t // steps_per_chunk * steps_per_chunk)
-    template = xr.Dataset(
-        {"t": (("time", "y", "x"), np.empty((0, ny_total, nx), "f4"))},
-    )
+    names = ["t", *(f"v{i}" for i in range(1, variables))]
+    nt = max(steps_per_chunk, nt // len(names) // steps_per_chunk * steps_per_chunk)
+    if shard_bytes:
+        nt = math.ceil(nt / enc["shards"][0]) * enc["shards"][0]
     first = True
     for start in range(0, nt, block_t):
         n = min(block_t, nt - start)
-        noise = rng.standard_normal((n, ny_total, nx), dtype="f4")
-        data = np.round(base[None] + noise, 2)
-        ds = template.copy()
-        ds["t"] = (("time", "y", "x"), data)
+        ds = xr.Dataset()
+        for name in names:
+            noise = rng.standard_normal((n, ny_total, nx), dtype="f4")
+            ds[name] = (("time", "y", "x"), np.round(base[None] + noise, 2))
         if first:
+            encoding = {name: enc for name in names}
             ds.to_zarr(
-                path, mode="w", zarr_format=zarr_format, encoding={"t": enc}, consolidated=False
+                path, mode="w", zarr_format=zarr_format, encoding=encoding, consolidated=False
             )
             first = False
         else:
@@ -196,6 +199,68 @@ def _mean_zarr(paths: list[Path], parallel: bool = False) -> Any:
     cp = _device.cupy()
     t = ds["t"].copy(data=ds["t"].data.map_blocks(cp.asarray))
     return t.mean("time").compute().data
+
+
+def _gds(path: Path, **kwargs: Any) -> xr.Dataset:
+    from xarray_gds.chunks import GdsDaskManager
+
+    if "chunks" in kwargs:
+        kwargs["chunked_array_type"] = GdsDaskManager()
+    return xr.open_dataset(path, engine="gds-zarr", device="cuda", consolidated=True, **kwargs)
+
+
+def _zarr(path: Path, **kwargs: Any) -> xr.Dataset:
+    return xr.open_dataset(path, engine="zarr", consolidated=True, **kwargs)
+
+
+def _on_gpu(ds: xr.Dataset) -> list[Any]:
+    """Every data variable's values moved to the GPU (what engine="zarr" users do)."""
+    cp = _device.cupy()
+    return [cp.asarray(v.values) for v in ds.data_vars.values()]
+
+
+def _async_load(ds: xr.Dataset) -> xr.Dataset:
+    import asyncio
+
+    return asyncio.run(ds.load_async())
+
+
+def _steps(ds: xr.Dataset, step: int, n_steps: int, to_gpu: bool) -> None:
+    """A data loader's loop: ``n_steps`` selections of ``step`` time steps, loaded."""
+    for i in range(n_steps):
+        part = ds.isel(time=slice(i * step, (i + 1) * step)).load()
+        if to_gpu:
+            _on_gpu(part)
+
+
+def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[str, Any]]:
+    """Contenders of a usage case: the same user call through both engines."""
+
+    def contenders(p: Path) -> dict[str, Callable[[], Any]]:
+        if kind == "eager":
+            return {
+                "gds-zarr": lambda: _gds(p).load(),
+                "zarr": lambda: _on_gpu(_zarr(p).load()),
+            }
+        if kind == "chunks":
+            return {
+                "gds-zarr": lambda: _gds(p, chunks={}).compute(),
+                "zarr": lambda: _on_gpu(_zarr(p, chunks={}).compute()),
+            }
+        if kind == "async":
+            return {
+                "gds-zarr": lambda: _async_load(_gds(p)),
+                "zarr": lambda: _on_gpu(_async_load(_zarr(p))),
+            }
+        if kind == "steps":
+            gds, ref = _gds(p), _zarr(p)  # opened once, as a loader does
+            return {
+                "gds-zarr": lambda: _steps(gds, step, n_steps, False),
+                "zarr": lambda: _steps(ref, step, n_steps, True),
+            }
+        raise ValueError(kind)
+
+    return contenders
 
 
 def _write_contenders(path: Path) -> dict[str, Callable[[], Any]]:
@@ -315,9 +380,11 @@ def _case(
     n_stores: int = 1,
     profile_dir: Path | None = None,
 ) -> Result:
-    arr = zarr.open_array(path / "t", mode="r")
-    nbytes = arr.nbytes * n_stores
-    result = Result(name, int(nbytes), int(arr.nchunks) * n_stores)
+    group = zarr.open_group(path, mode="r")
+    arrays = [a for _, a in group.arrays() if a.ndim == 3]
+    nbytes = sum(a.nbytes for a in arrays) * n_stores
+    n_chunks = sum(a.nchunks for a in arrays) * n_stores
+    result = Result(name, int(nbytes), int(n_chunks))
     for k, (label, fn) in enumerate(contenders.items()):
         if warm_all or k == 0:
             fn()  # warm up: page cache, imports, CUDA context, nvCOMP handles
@@ -364,6 +431,8 @@ def run(
                 results.append(_case(name, path, rep, contenders, warm_all, n_stores, profile_dir))
                 if "note" in spec:
                     results[-1].note = spec["note"](results[-1])
+                if "parts" in spec:  # a loop over part of the store: the bytes it reads
+                    results[-1].nbytes = int(results[-1].nbytes * spec["parts"])
             if on_result is not None:
                 on_result(results[-1])
             for p in [*_mf_paths(path, n_stores), path.with_name(f"{path.stem}-written.zarr")]:
@@ -415,6 +484,58 @@ CASES: dict[str, dict[str, Any]] = {
             "gds-zarr, parallel=True": lambda: _mean_gds(ps, parallel=True),
             "zarr, parallel=True": lambda: _mean_zarr(ps, parallel=True),
         },
+    },
+    # the ways users load data (issue 15): each a ratio against engine="zarr" doing
+    # the same call, then moving every variable's values to the GPU
+    "usage-eager-2var": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _usage("eager"),
+    },
+    "usage-chunks-2var": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _usage("chunks"),
+    },
+    "usage-async-2var": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _usage("async"),
+    },
+    "usage-step-1chunk": {
+        "gpu": True,
+        "scale": 0.1,
+        "parts": 8 / 48,  # 8 of the 48 chunks a run
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _usage("steps", step=1, n_steps=8),
+    },
+    "usage-step-16chunks": {
+        "gpu": True,
+        "scale": 0.2,
+        "parts": 64 / 96,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _usage("steps", step=16, n_steps=4),
+    },
+    "usage-step-20vars": {
+        "gpu": True,
+        "scale": 0.5,
+        "store": {"chunk_bytes": 4 << 20, "variables": 20},
+        "contenders": _usage("steps", step=1, n_steps=4),
+    },
+    "usage-sharded-chunks": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 144 << 10, "shard_bytes": 6 << 20},
+        "contenders": _usage("chunks"),
+    },
+    "usage-blosc-chunks": {
+        "gpu": True,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "zarr_format": 2, "compressor": "blosc"},
+        "contenders": _usage("chunks"),
     },
     "write-zstd-4MB": {
         "gpu": True,

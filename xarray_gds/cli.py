@@ -710,7 +710,28 @@ def _parser() -> argparse.ArgumentParser:
         "and write CASE.CONTENDER.txt to DIR",
     )
     bench.set_defaults(run=_run_bench)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the decode-route cost model's constants on this machine",
+        description="Time nvCOMP batches of one and of many chunks, one host thread's "
+        "decode of a chunk for each compressor, and the copy to the device; print the "
+        "constants as the JSON value of xarray_gds.route_constants "
+        "(XARRAY_GDS_ROUTE_CONSTANTS). Needs a GPU.",
+    )
+    calibrate.set_defaults(run=_run_calibrate)
     return parser
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    ok, why = _device.cuda_status()
+    if not ok:
+        print(f"{PROG} calibrate: needs a GPU ({why})", file=sys.stderr)
+        return 1
+    from xarray_gds.calibrate import calibrate
+
+    print(calibrate().to_json())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
