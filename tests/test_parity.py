@@ -92,11 +92,18 @@ def test_every_zarr_argument_is_a_parameter() -> None:
 def test_mode_matches_zarr(tmp_path: Path, v3_path: Path, device: str, mode: str) -> None:
     path = tmp_path / "copy.zarr"
     shutil.copytree(v3_path, path)
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in path.rglob("*")}
+
+    before = files()
     gds = xr.open_dataset(path, engine="gds-zarr", mode=mode, device=device)
-    assert_same(gds, xr.open_dataset(path, engine="zarr", mode=mode), device)
     gds_tree = xr.open_datatree(path, engine="gds-zarr", mode=mode, device=device)
-    assert_same_tree(gds_tree, xr.open_datatree(path, engine="zarr", mode=mode), device)
     groups = xr.open_groups(path, engine="gds-zarr", mode=mode, device=device)
+    gds.load(), gds_tree.load(), [g.load() for g in groups.values()]
+    assert files() == before  # a writable mode opens the store, it writes nothing
+    assert_same(gds, xr.open_dataset(path, engine="zarr", mode=mode), device)
+    assert_same_tree(gds_tree, xr.open_datatree(path, engine="zarr", mode=mode), device)
     assert list(groups) == ["/"]
 
 
