@@ -12,7 +12,7 @@ import xarray as xr
 import zarr
 from xarray import conventions
 from xarray.backends import BackendEntrypoint, ZarrStore
-from xarray.backends.common import datatree_from_dict_with_io_cleanup
+from xarray.backends.common import NONE_VAR_NAME, datatree_from_dict_with_io_cleanup
 from xarray.core import indexing
 from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
@@ -30,28 +30,58 @@ __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
 _ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
 
 
-def open_store(filename_or_obj: str | os.PathLike[str] | Store) -> Store:
-    """Return a read-only zarr Store for a local path (a :class:`GdsStore`) or a Store.
+#: ``mode`` values that open an existing store (``"a-"`` is xarray's own ``"a"``)
+_READ_MODES = ("r", "r+", "a", "a-")
+
+
+def open_store(filename_or_obj: str | os.PathLike[str] | Store, *, read_only: bool = True) -> Store:
+    """Return a zarr Store for a local path (a :class:`GdsStore`) or a Store.
+
+    Parameters
+    ----------
+    filename_or_obj : str, os.PathLike or zarr.abc.store.Store
+        A local Zarr directory (``file://`` URLs too), or any zarr Store (returned as
+        it is).
+    read_only : bool
+        Open a local directory read-only (``mode="r"``) or writable (``"r+"``, ``"a"``).
 
     Raises
     ------
     FileNotFoundError
         The path does not exist.
     ValueError
-        The path exists but is not a Zarr store.
+        The path exists but is not a Zarr store, or it is a remote URL.
+    TypeError
+        ``filename_or_obj`` is neither a path nor a Store.
     """
     if isinstance(filename_or_obj, Store):
         return filename_or_obj
+    if isinstance(filename_or_obj, zarr.Array):
+        parent, _, name = filename_or_obj.path.rpartition("/")
+        raise TypeError(
+            f"engine='gds-zarr' opens Zarr groups as Datasets, not the zarr.Array "
+            f"{filename_or_obj.path!r}; pass the store and group that hold it: "
+            f"xr.open_dataset(array.store, group={parent or '/'!r}, "
+            f"engine='gds-zarr')[{name!r}]"
+        )
+    if isinstance(filename_or_obj, ZarrStore):
+        raise TypeError(
+            "engine='gds-zarr' takes an xarray ZarrStore as the store= argument (as "
+            "engine='zarr' does), not as filename_or_obj; or pass its zarr Store: "
+            "xr.open_dataset(zarr_store.zarr_group.store, group=zarr_store.zarr_group.path, "
+            "engine='gds-zarr')"
+        )
     if not isinstance(filename_or_obj, str | os.PathLike):
         raise TypeError(
-            "engine='gds-zarr' opens a local Zarr directory (str or os.PathLike) or a "
-            f"zarr.abc.store.Store, not {type(filename_or_obj).__name__}"
+            "engine='gds-zarr' opens a local Zarr directory (str or os.PathLike), a "
+            f"zarr.abc.store.Store or a zarr.Group, not {type(filename_or_obj).__name__}"
         )
     text = os.fspath(filename_or_obj)
     if "://" in text and not text.startswith("file://"):
         raise ValueError(
             f"engine='gds-zarr' reads local directories only, got {text!r}; for remote "
-            "stores pass a zarr Store object (e.g. zarr.storage.FsspecStore)"
+            "stores pass a zarr Store object, e.g. "
+            f"zarr.storage.FsspecStore.from_url({text!r}, storage_options=..., read_only=True)"
         )
     path = Path(text.removeprefix("file://")).expanduser()
     if not path.exists():
@@ -61,7 +91,31 @@ def open_store(filename_or_obj: str | os.PathLike[str] | Store) -> Store:
             f"'{path}' is not a Zarr store: it is not a directory holding "
             "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
         )
-    return GdsStore(path, read_only=True)
+    return GdsStore(path, read_only=read_only)
+
+
+def _resolve_source(filename_or_obj: Any, group: str | None, mode: str) -> tuple[Store, str | None]:
+    """The Store to open and the group path in it; a ``zarr.Group`` stands for its
+    store and path (``group`` is then relative to it)."""
+    if mode not in _READ_MODES:
+        raise ValueError(
+            f"engine='gds-zarr' opens existing stores: mode must be one of {_READ_MODES}, "
+            f"not {mode!r} (with engine='zarr', 'w' erases the store and 'w-' creates "
+            "one); write with xarray_gds.to_zarr or Dataset.to_zarr"
+        )
+    if isinstance(filename_or_obj, zarr.Group):
+        base = filename_or_obj.path.strip("/")
+        if not base:
+            return filename_or_obj.store, group
+        sub = (group or "").strip("/")
+        return filename_or_obj.store, f"{base}/{sub}" if sub else base
+    return open_store(filename_or_obj, read_only=mode == "r"), group
+
+
+def _store_name(name: Any) -> str:
+    """The zarr array name of a variable (xarray stores a variable named ``None`` as
+    ``"__values__"``)."""
+    return NONE_VAR_NAME if name is None else str(name)
 
 
 def _group_paths(store: Store, zarr_format: int | None) -> list[str]:
@@ -77,17 +131,34 @@ def _open_zarr_stores(
     store: Store,
     *,
     group: str | None,
+    mode: str,
     consolidated: bool | None,
+    storage_options: dict[str, Any] | None,
     zarr_format: int | None,
+    use_zarr_fill_value_as_mask: bool | None,
+    cache_members: bool,
     all_groups: bool,
 ) -> dict[str, ZarrStore]:
-    """xarray ZarrStores (read-only) for ``group``, and its subgroups if ``all_groups``."""
+    """xarray ZarrStores for ``group``, and its subgroups if ``all_groups``; the
+    arguments mean what they mean to ``ZarrStore.open_group`` (engine="zarr")."""
     if zarr_format not in (None, 2, 3):
         raise ValueError(f"zarr_format must be 2, 3 or None, got {zarr_format!r}")
     if consolidated not in (None, True, False):
         raise TypeError(f"consolidated must be True, False or None, got {consolidated!r}")
+    if use_zarr_fill_value_as_mask not in (None, True, False):
+        raise TypeError(
+            "use_zarr_fill_value_as_mask must be True, False or None, got "
+            f"{use_zarr_fill_value_as_mask!r}"
+        )
     kwargs: dict[str, Any] = dict(
-        mode="r", group=group, consolidated=consolidated, zarr_format=zarr_format
+        mode=mode,
+        group=group,
+        consolidated=consolidated,
+        consolidate_on_close=False,
+        storage_options=storage_options,
+        zarr_format=zarr_format,
+        use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
+        cache_members=bool(cache_members),
     )
     try:
         # arrays opened here read through the batched pipeline (see pipeline.py)
@@ -161,7 +232,7 @@ def _dataset_from_store(
     coord_vars: dict[str, xr.Variable] = {}
     for name, var in decoded.items():
         if placement(name, var) is not None:
-            zarr_array = members[name]
+            zarr_array = members[_store_name(name)]
             assert isinstance(zarr_array, zarr.Array)
             plan = plan_cf_decoding(
                 name,
@@ -172,7 +243,7 @@ def _dataset_from_store(
                 mask_and_scale,
             )
             lazy: Any = (
-                GdsBackendArray(zarr_array, name, device, plan)
+                GdsBackendArray(zarr_array, _store_name(name), device, plan)
                 if plan is not None
                 # Variable._data is xarray's lazily decoded array: read it on the
                 # host and move the result (see HostDecodedArray).
@@ -195,7 +266,8 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
 
     Use it through xarray: ``xr.open_dataset(path, engine="gds-zarr")``,
     ``xr.open_datatree(path, engine="gds-zarr")`` or
-    ``xr.open_groups(path, engine="gds-zarr")``.
+    ``xr.open_groups(path, engine="gds-zarr")``. Every argument of
+    ``engine="zarr"`` is accepted with the same meaning, plus ``device``.
 
     Numeric variables that are not index coordinates come back as CuPy arrays when a
     GPU is used, numpy arrays otherwise; see :func:`placement`. The engine never
@@ -216,8 +288,14 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         "use_cftime",
         "decode_timedelta",
         "group",
+        "mode",
         "consolidated",
+        "storage_options",
         "zarr_format",
+        "store",
+        "engine",
+        "use_zarr_fill_value_as_mask",
+        "cache_members",
         "device",
     )
 
@@ -226,7 +304,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
 
     def open_dataset(  # type: ignore[override]
         self,
-        filename_or_obj: str | os.PathLike[str] | Store,
+        filename_or_obj: str | os.PathLike[str] | Store | zarr.Group | None,
         *,
         mask_and_scale: bool | Mapping[str, bool] = True,
         decode_times: Any = True,
@@ -236,16 +314,24 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         use_cftime: Any = None,
         decode_timedelta: Any = None,
         group: str | None = None,
+        mode: str = "r",
         consolidated: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
         zarr_format: int | None = None,
+        store: ZarrStore | None = None,
+        engine: Any = None,
+        use_zarr_fill_value_as_mask: bool | None = None,
+        cache_members: bool = True,
         device: str | None = None,
     ) -> xr.Dataset:
         """Open one group of a Zarr store as a lazily indexed Dataset.
 
         Parameters
         ----------
-        filename_or_obj : str, os.PathLike or zarr.abc.store.Store
-            A local Zarr directory, or any zarr Store.
+        filename_or_obj : str, os.PathLike, zarr.abc.store.Store or zarr.Group
+            A local Zarr directory, any zarr Store, or a ``zarr.Group`` (its store,
+            at its path). A ``zarr.Array`` is refused with a ``TypeError`` that
+            says what to pass.
         mask_and_scale : bool or mapping of name to bool
             As for :func:`xarray.open_dataset`.
         decode_times : bool, CFDatetimeCoder or mapping
@@ -262,25 +348,66 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         decode_timedelta : bool, CFTimedeltaCoder or mapping, optional
             As for :func:`xarray.open_dataset`.
         group : str, optional
-            Path of the group to open.
+            Path of the group to open (relative to a ``zarr.Group`` passed as
+            ``filename_or_obj``).
+        mode : {"r", "r+", "a", "a-"}
+            How the store is opened, as with ``engine="zarr"``: ``"r"`` (default)
+            read-only; the others open it writable (a local directory becomes a
+            writable :class:`GdsStore`), which changes nothing in what is read but
+            turns off the NCZarr dimension fallback, as with ``engine="zarr"``.
+            ``"w"`` and ``"w-"``, which erase or create a store with
+            ``engine="zarr"``, raise ``ValueError``.
         consolidated : bool or None
             Use consolidated metadata: ``None`` tries it and falls back, ``True``
             requires it, ``False`` ignores it (as ``engine="zarr"``).
+        storage_options : dict, optional
+            Passed to zarr, as with ``engine="zarr"``: zarr uses them for fsspec
+            URLs only and raises ``TypeError`` when they are given with a local path
+            or a Store object. Remote URLs are not read by this engine yet; pass a
+            zarr Store (``zarr.storage.FsspecStore.from_url(url,
+            storage_options=...)``) instead.
         zarr_format : {None, 2, 3}
             Zarr format to read; ``None`` detects it.
+        use_zarr_fill_value_as_mask : bool, optional
+            Whether the Zarr arrays' ``fill_value`` masks values as a CF
+            ``_FillValue`` does: ``None`` (default) means ``True`` for Zarr v2 and
+            ``False`` for Zarr v3. With ``False``, a Zarr v3 ``fill_value`` goes to
+            the variable's ``encoding["fill_value"]``. (``engine="zarr"`` documents
+            this argument but passes ``None`` whatever it is given, pydata/xarray#10269;
+            this engine applies it as ``xarray.backends.ZarrStore.open_group`` does.)
+        cache_members : bool
+            As with ``engine="zarr"``: ``True`` (default) lists the group's members
+            once when it is opened; ``False`` lists them each time they are needed.
+        store : xarray.backends.ZarrStore, optional
+            An xarray ZarrStore already open: read from it and ignore
+            ``filename_or_obj`` and the opening arguments, as ``engine="zarr"`` does.
+        engine : optional
+            Accepted and ignored, as by ``engine="zarr"``.
         device : {None, "cuda", "cpu"}
             Where numeric variables are placed. ``None`` uses the GPU when one is
             usable and otherwise warns once and reads on the host.
         """
         dev = _device.resolve_device(device)
-        store = open_store(filename_or_obj)
-        (zstore,) = _open_zarr_stores(
-            store,
-            group=group,
-            consolidated=consolidated,
-            zarr_format=zarr_format,
-            all_groups=False,
-        ).values()
+        if store is not None:
+            if not isinstance(store, ZarrStore):
+                raise TypeError(
+                    "store= takes an xarray.backends.ZarrStore (as with engine='zarr'), "
+                    f"not {type(store).__name__}; pass a zarr Store as filename_or_obj"
+                )
+            zstore = store
+        else:
+            source, group = _resolve_source(filename_or_obj, group, mode)
+            (zstore,) = _open_zarr_stores(
+                source,
+                group=group,
+                mode=mode,
+                consolidated=consolidated,
+                storage_options=storage_options,
+                zarr_format=zarr_format,
+                use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
+                cache_members=cache_members,
+                all_groups=False,
+            ).values()
         with close_on_error(zstore):
             return _dataset_from_store(
                 zstore,
@@ -296,7 +423,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
 
     def open_groups_as_dict(  # type: ignore[override]
         self,
-        filename_or_obj: str | os.PathLike[str] | Store,
+        filename_or_obj: str | os.PathLike[str] | Store | zarr.Group,
         *,
         mask_and_scale: bool | Mapping[str, bool] = True,
         decode_times: Any = True,
@@ -306,19 +433,37 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         use_cftime: Any = None,
         decode_timedelta: Any = None,
         group: str | None = None,
+        mode: str = "r",
         consolidated: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
         zarr_format: int | None = None,
+        use_zarr_fill_value_as_mask: bool | None = None,
+        cache_members: bool = True,
         device: str | None = None,
     ) -> dict[str, xr.Dataset]:
-        """Open ``group`` and every group below it; keys are paths relative to it."""
+        """Open ``group`` and every group below it; keys are paths relative to it.
+
+        Parameters
+        ----------
+        filename_or_obj : str, os.PathLike, zarr.abc.store.Store or zarr.Group
+            As for :meth:`open_dataset`.
+        mask_and_scale, decode_times, concat_characters, decode_coords, drop_variables,
+        use_cftime, decode_timedelta, group, mode, consolidated, storage_options,
+        zarr_format, use_zarr_fill_value_as_mask, cache_members, device
+            As for :meth:`open_dataset`; ``group`` is the root of the groups opened.
+        """
         dev = _device.resolve_device(device)
-        store = open_store(filename_or_obj)
+        source, group = _resolve_source(filename_or_obj, group, mode)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
         stores = _open_zarr_stores(
-            store,
+            source,
             group=parent,
+            mode=mode,
             consolidated=consolidated,
+            storage_options=storage_options,
             zarr_format=zarr_format,
+            use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
+            cache_members=cache_members,
             all_groups=True,
         )
         out: dict[str, xr.Dataset] = {}
@@ -340,9 +485,9 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         return out
 
     def open_datatree(  # type: ignore[override]
-        self, filename_or_obj: str | os.PathLike[str] | Store, **kwargs: Any
+        self, filename_or_obj: str | os.PathLike[str] | Store | zarr.Group, **kwargs: Any
     ) -> xr.DataTree:
-        """Open a store as a :class:`xarray.DataTree`; arguments as :meth:`open_dataset`."""
+        """Open a store as a :class:`xarray.DataTree`; arguments as :meth:`open_groups_as_dict`."""
         return datatree_from_dict_with_io_cleanup(
             self.open_groups_as_dict(filename_or_obj, **kwargs)
         )
