@@ -644,6 +644,9 @@ class GdsStore(LocalStore):
 
     # -- metadata held back until the data it describes is written ---------------------
     _deferred: _Deferred | None = None
+    #: the last deferral that failed and removed new arrays: chunk writes of that write
+    #: still running (zarr does not cancel the rest of a failed gather) are removed too
+    _aborted: _Deferred | None = None
 
     def defer_metadata(self) -> None:
         """Hold metadata writes in memory until :meth:`flush_metadata`.
@@ -662,6 +665,7 @@ class GdsStore(LocalStore):
             self._deferred.depth += 1
         else:
             self._deferred = _Deferred()
+            self._aborted = None
 
     def flush_metadata(self) -> None:
         """Write the held metadata (arrays before their groups, consolidated last) and
@@ -743,6 +747,8 @@ class GdsStore(LocalStore):
             if before.get(key) is None and _is_array_metadata(key, value)
         )
         deferred.dropped = prefixes
+        if prefixes:
+            self._aborted = deferred
         if not prefixes:
             return
         for key in list(deferred.written):
@@ -812,6 +818,12 @@ class GdsStore(LocalStore):
         write fails and its array is new); returns the deferral it belongs to."""
         deferred = self._deferred
         if deferred is None or not deferred.active:
+            aborted = self._aborted
+            if aborted is not None and aborted.dropped and key.startswith(aborted.dropped):
+                if is_metadata_key(key):  # the array is made again: its chunks are wanted
+                    self._aborted = None
+                    return None
+                return aborted
             return None
         deferred.written.append(key)  # atomic under the GIL: writer threads share it
         return deferred
