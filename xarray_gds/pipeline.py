@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -388,20 +389,82 @@ def _touched(sel: Any, size: int, chunk: int) -> np.ndarray:
     return np.unique(idx.reshape(-1) // chunk)
 
 
-async def _shard_index(chain: ShardChain, byte_getter: Any) -> np.ndarray | None:
-    """The (offset, nbytes) table of a shard, shaped like its inner chunk grid."""
-    n = chain.index_nbytes
-    request = SuffixByteRequest(n) if chain.index_at_end else RangeByteRequest(0, n)
-    buf = await byte_getter.get(prototype=cpu.buffer_prototype, byte_range=request)
-    if buf is None:
+#: A shard's index table ``(*grid, 2)`` of (offset, nbytes) and the size of its file.
+_Index = tuple[np.ndarray, int]
+
+
+def _read_local_index(path: str, nbytes: int, at_end: bool) -> tuple[bytes, int] | None:
+    """The index bytes of the shard file ``path`` and its size (one open, one ``fstat``),
+    or ``None`` when the file does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    raw = buf.as_numpy_array().view(np.uint8)
-    key = byte_getter.path
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - nbytes) if at_end else 0
+        return os.pread(fd, nbytes, start), size
+    finally:
+        os.close(fd)
+
+
+async def _shard_index(chain: ShardChain, byte_getter: Any) -> _Index | None:
+    """The (offset, nbytes) table of a shard, shaped like its inner chunk grid, and the
+    size of the shard in bytes (what the table is checked against before any read)."""
+    n = chain.index_nbytes
+    store, key = byte_getter.store, byte_getter.path
+    if isinstance(store, GdsStore):
+        found = await asyncio.to_thread(
+            _read_local_index, str(store.resolve(key)), n, chain.index_at_end
+        )
+        if found is None:
+            return None
+        raw = np.frombuffer(found[0], dtype=np.uint8)
+        shard_nbytes = found[1]
+    else:
+        request = SuffixByteRequest(n) if chain.index_at_end else RangeByteRequest(0, n)
+        buf = await byte_getter.get(prototype=cpu.buffer_prototype, byte_range=request)
+        if buf is None:
+            return None
+        raw = buf.as_numpy_array().view(np.uint8)
+        shard_nbytes = int(await store.getsize(key))
     if raw.size != n:
-        raise ChunkDecodeError(key, "sharding_indexed", f"index of {raw.size} bytes, expected {n}")
+        raise ChunkDecodeError(
+            key,
+            "sharding_indexed",
+            f"index of {raw.size} bytes, expected {n} (the shard file holds {shard_nbytes})",
+        )
     if chain.index_crc32c:
         raw = host.strip_crc32c([raw], [f"{key} (shard index)"])[0]
-    return raw.view("<u8").reshape((*chain.grid, 2))
+    return raw.view("<u8").reshape((*chain.grid, 2)), shard_nbytes
+
+
+def _check_ranges(
+    chain: ShardChain, key: str, flat: np.ndarray, table: np.ndarray, shard_nbytes: int
+) -> None:
+    """Raise for the first inner chunk whose byte range (``table``: uint64 offset and
+    nbytes of the inner chunks ``flat``) does not lie in the chunk data of the shard:
+    the ``shard_nbytes`` bytes of its file less its index. Sizes read from a damaged
+    index would otherwise size the reads' buffers (an allocation of terabytes)."""
+    n_index = chain.index_nbytes
+    lo = 0 if chain.index_at_end else n_index
+    hi = shard_nbytes - n_index if chain.index_at_end else shard_nbytes
+    huge = np.any(table >= np.uint64(1 << 62), axis=1)
+    sane = np.where(huge[:, None], np.uint64(0), table).astype(np.int64)
+    start, size = sane[:, 0], sane[:, 1]
+    bad = huge | (start < lo) | (start + size > hi)
+    if not bad.any():
+        return
+    j = int(np.flatnonzero(bad)[0])
+    coords = tuple(int(i) for i in np.unravel_index(int(flat[j]), chain.grid))
+    offset, nbytes = int(table[j, 0]), int(table[j, 1])
+    raise ChunkDecodeError(
+        f"{key} (inner chunk {coords})",
+        "sharding_indexed",
+        f"the shard index gives it {nbytes} bytes at offset {offset}, outside the chunk "
+        f"data (bytes {lo} to {max(lo, hi)}) of the {shard_nbytes}-byte shard file: the "
+        "index is damaged or the file truncated",
+    )
 
 
 async def _read_shards(
@@ -469,8 +532,9 @@ class _ShardPlan:
     keys: Sequence[str] = ()
 
 
-def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[np.ndarray | None]) -> _ShardPlan:
-    """The inner chunks to read from the shards of ``part`` (vectorized per shard)."""
+def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[_Index | None]) -> _ShardPlan:
+    """The inner chunks to read from the shards of ``part`` (vectorized per shard), each
+    checked to lie inside its shard's file (see :func:`_check_ranges`)."""
     inner = chain.inner
     grid = chain.grid
     missing = np.iinfo(np.uint64).max
@@ -478,9 +542,10 @@ def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[np.ndarray | N
     flats: list[np.ndarray] = []
     starts: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
-    for s, ((bg, _, chunk_sel, _, _), index) in enumerate(zip(part, indexes, strict=True)):
-        if index is None:
+    for s, ((bg, _, chunk_sel, _, _), found) in enumerate(zip(part, indexes, strict=True)):
+        if found is None:
             continue
+        index, shard_nbytes = found
         axes = [
             _touched(sel, n, c)
             for sel, n, c in zip(chunk_sel, chain.shard_shape, inner.chunk_shape, strict=True)
@@ -489,10 +554,7 @@ def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[np.ndarray | N
         table = index.reshape(-1, 2)[flat]
         keep = ~((table[:, 0] == missing) & (table[:, 1] == missing))
         flat, table = flat[keep], table[keep]
-        if np.any(table >= 1 << 62):
-            raise ChunkDecodeError(
-                bg.path, "sharding_indexed", "shard index holds an offset or size out of range"
-            )
+        _check_ranges(chain, bg.path, flat, table, shard_nbytes)
         shards.append(np.full(len(flat), s, dtype=np.int64))
         flats.append(flat.astype(np.int64))
         starts.append(table[:, 0].astype(np.int64))
@@ -510,7 +572,7 @@ def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[np.ndarray | N
 def _shards_sync(
     chain: ShardChain,
     part: list[Any],
-    indexes: list[np.ndarray | None],
+    indexes: list[_Index | None],
     plan: _ShardPlan,
     fetched: Any,
     out: Any,

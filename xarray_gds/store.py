@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import stat
 from collections.abc import AsyncIterator, Iterable
@@ -445,6 +446,30 @@ class _Deferred:
     active: bool = True
     depth: int = 1  #: nested deferrals still open
     failed: bool = False  #: one of them failed: drop the keys instead of writing them
+    written: list[str] = field(default_factory=list)  #: chunk keys written meanwhile
+    dropped: tuple[str, ...] | None = None  #: prefixes of new arrays removed on failure
+
+
+def _read_or_none(path: str) -> bytes | None:
+    """The bytes of the file ``path``, or ``None`` when there is none."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _is_array_metadata(key: str, value: Buffer) -> bool:
+    """Whether ``value``, held for the metadata key ``key``, describes an array."""
+    name = key.rsplit("/", 1)[-1]
+    if name == ".zarray":
+        return True
+    if name != "zarr.json":
+        return False
+    try:
+        return json.loads(value.to_bytes()).get("node_type") == "array"
+    except (ValueError, AttributeError):
+        return False
 
 
 class GdsStore(LocalStore):
@@ -579,6 +604,9 @@ class GdsStore(LocalStore):
 
     # -- metadata held back until the data it describes is written ---------------------
     _deferred: _Deferred | None = None
+    #: the last deferral that failed and removed new arrays: chunk writes of that write
+    #: still running (zarr does not cancel the rest of a failed gather) are removed too
+    _aborted: _Deferred | None = None
 
     def defer_metadata(self) -> None:
         """Hold metadata writes in memory until :meth:`flush_metadata`.
@@ -597,13 +625,25 @@ class GdsStore(LocalStore):
             self._deferred.depth += 1
         else:
             self._deferred = _Deferred()
+            self._aborted = None
 
     def flush_metadata(self) -> None:
         """Write the held metadata (arrays before their groups, consolidated last) and
         stop holding it (at the end of the outermost deferral).
 
-        An error while writing leaves the keys written so far on disk and drops the
-        rest: the consolidated metadata, written last, is then the old one.
+        All of it or none: the metadata documents on disk are read first, and when a
+        write fails, those already replaced are written back (and those that did not
+        exist are removed) before the error propagates, so that the store opens as it
+        did before. Chunks written meanwhile for arrays that did not exist before are
+        removed too (a later array of that name would read them). Chunks of existing
+        arrays past their old shape stay: no reader sees them, and a later write of
+        that region replaces or deletes them.
+
+        Raises
+        ------
+        RuntimeError
+            When putting the old metadata back failed as well; it names the keys that
+            may now be inconsistent (the original error is its cause).
         """
         deferred = self._deferred
         if deferred is None:
@@ -613,18 +653,72 @@ class GdsStore(LocalStore):
             return
         self._deferred = None
         deferred.active = False
-        if deferred.failed:
-            deferred.keys.clear()
-            return
-        order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
         try:
-            for key in order:
-                self._put(key, deferred.keys[key])
+            if deferred.failed:
+                before = {k: _read_or_none(os.path.join(self.root, k)) for k in deferred.keys}
+                self._remove_new_arrays(deferred, before)
+                return
+            order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
+            before = {k: _read_or_none(os.path.join(self.root, k)) for k in order}
+            done: list[str] = []
+            try:
+                for key in order:
+                    done.append(key)  # the failing write too: it may have landed
+                    self._put(key, deferred.keys[key])
+            except BaseException as err:
+                deferred.failed = True
+                self._restore(done, before, err)
+                self._remove_new_arrays(deferred, before)
+                raise
         finally:
             deferred.keys.clear()
 
+    def _restore(
+        self, keys: list[str], before: dict[str, bytes | None], err: BaseException
+    ) -> None:
+        """Put back the metadata ``keys`` as ``before`` holds them (removing those it
+        holds as ``None``), in reverse order of writing; ``err`` made it necessary."""
+        stuck: list[str] = []
+        for key in reversed(keys):
+            path = os.path.join(self.root, key)
+            try:
+                old = before[key]
+                if old is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                else:
+                    write_file(path, old)
+            except Exception:
+                stuck.append(key)
+        if stuck:
+            raise RuntimeError(
+                f"xarray-gds: writing the metadata of {self} failed ({err!r}), and putting "
+                f"back the previous metadata of {sorted(stuck)} failed too: the store may not "
+                "open, or open with mismatched arrays. Restore those keys from a backup, or "
+                "write the dataset again with mode='w'."
+            ) from err
+
+    def _remove_new_arrays(self, deferred: _Deferred, before: dict[str, bytes | None]) -> None:
+        """Delete the chunks written during ``deferred`` for arrays whose metadata did not
+        exist before (``before``: the documents on disk when the write began)."""
+        prefixes = tuple(
+            key.rpartition("/")[0] + "/" if "/" in key else ""
+            for key, value in deferred.keys.items()
+            if before.get(key) is None and _is_array_metadata(key, value)
+        )
+        deferred.dropped = prefixes
+        if prefixes:
+            self._aborted = deferred
+        if not prefixes:
+            return
+        for key in list(deferred.written):
+            if key.startswith(prefixes) and not is_metadata_key(key):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    os.unlink(os.path.join(self.root, key))
+
     def discard_metadata(self) -> None:
-        """A write failed: drop the held metadata (at the end of the outermost deferral)."""
+        """A write failed: drop the held metadata (at the end of the outermost deferral),
+        and the chunks it wrote for arrays that did not exist before."""
         if self._deferred is not None:
             self._deferred.failed = True
             self.flush_metadata()
@@ -679,10 +773,36 @@ class GdsStore(LocalStore):
             )
         write_file(os.path.join(self.root, key), value.as_buffer_like())
 
+    def _writing(self, key: str) -> _Deferred | None:
+        """Note the chunk ``key`` as written while metadata is held (to remove it if the
+        write fails and its array is new); returns the deferral it belongs to."""
+        deferred = self._deferred
+        if deferred is None or not deferred.active:
+            aborted = self._aborted
+            if aborted is not None and aborted.dropped and key.startswith(aborted.dropped):
+                if is_metadata_key(key):  # the array is made again: its chunks are wanted
+                    self._aborted = None
+                    return None
+                return aborted
+            return None
+        deferred.written.append(key)  # atomic under the GIL: writer threads share it
+        return deferred
+
+    @staticmethod
+    def _written(deferred: _Deferred | None, path: str, key: str) -> None:
+        """The chunk ``key`` of ``deferred`` is on disk: remove it if that write failed
+        meanwhile and removed the chunks of its new arrays (zarr lets the other writes
+        of a failed gather run on), as :meth:`_remove_new_arrays` would have."""
+        if deferred is not None and deferred.dropped and key.startswith(deferred.dropped):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
     def set_sync(self, key: str, value: Buffer) -> None:
         self.resolve(key)
         if not self._hold(key, value):
+            deferred = self._writing(key)
             self._put(key, value)
+            self._written(deferred, os.path.join(self.root, key), key)
 
     def delete_sync(self, key: str) -> None:
         self.resolve(key)
@@ -692,7 +812,9 @@ class GdsStore(LocalStore):
     async def set(self, key: str, value: Buffer) -> None:
         self.resolve(key)
         if not self._hold(key, value):
+            deferred = self._writing(key)
             await asyncio.to_thread(self._put, key, value)
+            self._written(deferred, os.path.join(self.root, key), key)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self.resolve(key)

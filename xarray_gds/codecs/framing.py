@@ -9,16 +9,42 @@ raw stream starts and how long it is.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from xarray_gds.errors import ChunkDecodeError
 
-__all__ = ["PEEK", "check", "zstd_content_sizes"]
+__all__ = ["PEEK", "STREAMS", "check", "heads", "zstd_content_sizes"]
 
 PEEK = 18  #: bytes of each chunk needed (the longest zstd frame header)
 _ZSTD_MAGIC = 0xFD2FB528
 _MIN_SIZE = {"zstd": 9, "lz4": 5, "zlib": 7, "gzip": 18}
+#: Stream formats :func:`check` knows.
+STREAMS = frozenset(_MIN_SIZE)
+
+
+def heads(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The first :data:`PEEK` bytes of each host chunk (zeros past its end) and its size,
+    as :func:`check` takes them.
+
+    Parameters
+    ----------
+    chunks : sequence of array-like
+        Encoded chunks in host memory (anything with the buffer protocol).
+
+    Returns
+    -------
+    (heads, sizes)
+        ``(n, PEEK)`` uint8 and ``(n,)`` int64.
+    """
+    out = np.zeros((len(chunks), PEEK), dtype=np.uint8)
+    sizes = np.empty(len(chunks), dtype=np.int64)
+    for i, raw in enumerate(chunks):
+        data = np.frombuffer(raw, dtype=np.uint8)
+        sizes[i] = data.size
+        out[i, : min(PEEK, data.size)] = data[:PEEK]
+    return out, sizes
 
 
 def zstd_content_sizes(heads: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 from numcodecs.compat import ensure_ndarray
 
 from xarray_gds.batch import parallel
-from xarray_gds.codecs import Compressor
+from xarray_gds.codecs import Compressor, framing
 from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["decompress", "parallel", "strip_crc32c"]
@@ -40,7 +40,17 @@ def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]
 def decompress(
     compressor: Compressor, chunks: Sequence[Any], nbytes: int, keys: Sequence[str]
 ) -> np.ndarray:
-    """Decode ``chunks`` with ``compressor`` into a ``(len(chunks), nbytes)`` array."""
+    """Decode ``chunks`` with ``compressor`` into a ``(len(chunks), nbytes)`` array.
+
+    The decoded sizes that streams declare (zstd frame content sizes, numcodecs' LZ4
+    size prefixes) are checked against ``nbytes`` first, as on the GPU: numcodecs
+    allocates what a stream declares before it decodes a byte, so a damaged header
+    would otherwise ask for terabytes. Blosc frames are checked by
+    :func:`xarray_gds.codecs.blosc.parse_frames` before this is called.
+    """
+    if compressor.name in framing.STREAMS:
+        heads, sizes = framing.heads(chunks)
+        framing.check(compressor.name, heads, sizes, nbytes, keys)
     out = np.empty((len(chunks), nbytes), dtype=np.uint8)
 
     def one(i: int) -> None:
