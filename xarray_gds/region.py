@@ -275,7 +275,24 @@ class _Reader:
             out[first - box.start[0] : last - box.start[0]] = block[tuple(src)]
 
         n_rows = r1 - r0
-        if self.on_device or n_rows == 1:
+        if self.on_device:
+            rows(0, n_rows)
+        elif n_rows < 4 and n_keys > 1:  # few rows of several chunks: one chunk a task
+            grid = (n_rows, *box.grid[1:])
+
+            def one(k: int) -> None:
+                at = np.unravel_index(k, grid)
+                dst, src = [], []
+                for axis, (g, c) in enumerate(zip(at, cs, strict=True)):
+                    origin = (box.lo[axis] + (r0 if axis == 0 else 0) + int(g)) * c
+                    first = max(box.start[axis], origin)
+                    last = min(box.stop[axis], origin + c)
+                    dst.append(slice(first - box.start[axis], last - box.start[axis]))
+                    src.append(slice(first - origin, last - origin))
+                out[tuple(dst)] = chunks[k][tuple(src)]
+
+            host.parallel(one, n_keys)
+        elif n_rows == 1:
             rows(0, n_rows)
         else:  # numpy copies run without the GIL: one row of chunks a task
             host.parallel(lambda i: rows(i, i + 1), n_rows)

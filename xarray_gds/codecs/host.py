@@ -48,13 +48,21 @@ def decompress(
     would otherwise ask for terabytes. Blosc frames are checked by
     :func:`xarray_gds.codecs.blosc.parse_frames` before this is called.
     """
+    # numcodecs decodes straight into the output when every stream's decoded size is
+    # known to be ``nbytes`` (checked above or by parse_frames): one copy less
+    into = compressor.name in ("lz4", "blosc")
     if compressor.name in framing.STREAMS:
         heads, sizes = framing.heads(chunks)
         framing.check(compressor.name, heads, sizes, nbytes, keys)
+        if compressor.name == "zstd":
+            into = bool(np.all(framing.zstd_content_sizes(heads) == nbytes))
     out = np.empty((len(chunks), nbytes), dtype=np.uint8)
 
     def one(i: int) -> None:
         try:
+            if into:
+                compressor.host_codec.decode(chunks[i], out=out[i])
+                return
             decoded = ensure_ndarray(compressor.host_codec.decode(chunks[i]))
         except Exception as err:
             raise ChunkDecodeError(
