@@ -29,17 +29,18 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xarray_gds import device as _device
-from xarray_gds import pipeline, route
+from xarray_gds import pipeline, route, sources
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain
-from xarray_gds.store import GdsStore, read_files_device, read_files_host
+from xarray_gds.store import read_files_device, read_files_host
 
 __all__ = ["fetch_decode", "fetch_decode_many"]
 
@@ -51,6 +52,7 @@ class _Request:
     paths: list[str]
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
+    source: Any = None  #: where ``paths`` are read from (None: local files)
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
     result: tuple[list[int], Any] | None = None
@@ -90,8 +92,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _request(store: Any, chain: DecodeChain, keys: list[str], on_device: bool) -> _Request:
+    source = sources.source_for(store)
+    gpu = _device.cupy().cuda.Device().id if on_device else -1
+    return _Request(chain, list(keys), source.locate(keys), on_device, gpu, source)
+
+
 def fetch_decode(
-    store: GdsStore, chain: DecodeChain, keys: list[str], on_device: bool
+    store: Any, chain: DecodeChain, keys: list[str], on_device: bool
 ) -> tuple[list[int], Any]:
     """Read and decode the chunks ``keys`` of ``store``, together with the requests
     other threads make meanwhile.
@@ -100,8 +108,7 @@ def fetch_decode(
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
-    gpu = _device.cupy().cuda.Device().id if on_device else -1
-    request = _Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu)
+    request = _request(store, chain, keys, on_device)
     with _cond:
         _waiting.append(request)
     try:
@@ -119,16 +126,13 @@ def fetch_decode(
 
 
 def fetch_decode_many(
-    items: list[tuple[GdsStore, DecodeChain, list[str], bool]],
+    items: list[tuple[Any, DecodeChain, list[str], bool]],
 ) -> list[tuple[list[int], Any] | BaseException]:
     """:func:`fetch_decode` of every ``(store, chain, keys, on_device)`` at once: all of
     them wait together, so the thread that serves them reads and decodes them in as few
     groups as the batch budget allows. Each entry of the result is what
     :func:`fetch_decode` returns for that item, or the exception it raises."""
-    requests = []
-    for store, chain, keys, on_device in items:
-        gpu = _device.cupy().cuda.Device().id if on_device else -1
-        requests.append(_Request(chain, list(keys), store.chunk_paths(keys), on_device, gpu))
+    requests = [_request(*item) for item in items]
     with _cond:
         _waiting.extend(requests)
     try:
@@ -149,6 +153,66 @@ def fetch_decode_many(
             assert request.result is not None
             out.append(request.result)
     return out
+
+
+def fetch_decode_parts(
+    items: list[tuple[Any, DecodeChain, list[str], bool]],
+    consume: Callable[[int, tuple[list[int], Any]], None],
+) -> None:
+    """:func:`fetch_decode` of every part ``(store, chain, keys, on_device)`` of a read
+    too large for one batch, handing each part's result to ``consume(k, result)`` in the
+    calling thread, in order. A helper thread serves part ``k + 1`` (its read, joined
+    with what other threads ask for) while part ``k`` decodes and is consumed; at most
+    two parts' results are alive at once. Raises the first part's error."""
+    if len(items) == 1:
+        consume(0, fetch_decode(*items[0]))
+        return
+    requests = [_request(*item) for item in items]
+    with _cond:
+        _waiting.extend(requests)
+    progress = threading.Condition()
+    consumed = 0  # parts handed to ``consume``
+    stop = False
+
+    def ahead() -> None:
+        for k, request in enumerate(requests):
+            with progress:  # part k while part k - 1 is consumed, not further ahead
+                while k > consumed + 1 and not stop:
+                    progress.wait()
+                if stop:
+                    return
+            while not request.done:
+                _lead_or_wait(request)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-part") as pool:
+        helper = pool.submit(ahead)
+        try:
+            for k, request in enumerate(requests):
+                while not request.done:
+                    _lead_or_wait(request)
+                if request.error is not None:
+                    raise request.error
+                assert request.result is not None
+                result, request.result = request.result, _CONSUMED
+                consume(k, result)
+                del result
+                with progress:
+                    consumed = k + 1
+                    progress.notify_all()
+        except BaseException:
+            with progress:
+                stop = True
+                progress.notify_all()
+            with _cond:  # nobody is to read the parts left
+                for request in requests:
+                    if not request.taken and request in _waiting:
+                        _waiting.remove(request)
+            raise
+    helper.result()
+
+
+#: what a consumed part's request keeps (its chunks are released)
+_CONSUMED: tuple[list[int], Any] = ([], None)
 
 
 def _lead_or_wait(request: _Request) -> None:
@@ -242,12 +306,17 @@ def _deliver(r: _Request, present: list[int], chunks: Any) -> None:
 
 
 def _read(group: list[_Request]) -> Any:
-    """Every file of the requests of ``group``, in one batch."""
+    """Every chunk of the requests of ``group``, in one batch (one read per kind of
+    source, see :mod:`xarray_gds.sources`)."""
     paths = [p for r in group for p in r.paths]
-    if not group[0].decode_on_device:
-        return read_files_host(paths)
-    slots = np.repeat([r.chain.stored_bound for r in group], [len(r.paths) for r in group])
-    return read_files_device(paths, slots)
+    on_device = group[0].decode_on_device
+    counts = [len(r.paths) for r in group]
+    slots = np.repeat([r.chain.stored_bound for r in group], counts) if on_device else None
+    if all(r.source is None or r.source.kind == "local" for r in group):
+        return read_files_device(paths, slots) if on_device else read_files_host(paths)
+    located = [r.source or sources.LocalSource(None) for r in group]
+    spread = [s for s, n in zip(located, counts, strict=True) for _ in range(n)]
+    return sources.read(spread, paths, on_device, slots)
 
 
 def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:

@@ -33,7 +33,7 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
-from xarray_gds import config, route
+from xarray_gds import coalesce, config, route
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
@@ -212,24 +212,23 @@ class GdsCodecPipeline(CodecPipeline):
             if chain is not None:
                 self._warn_host_decode(batch[0][0].path, chain)
             return await self._host_then_copy(batch, out, drop_axes, self._fallback.read)
-        assert isinstance(chain, DecodeChain | ShardChain)
-        if on_device and _host_route(chain, len(batch)):  # few chunks: see xarray_gds.route
-            return await self._host_then_copy(batch, out, drop_axes, self.read)
         if isinstance(chain, ShardChain):
+            if on_device and _host_route(chain, len(batch)):  # see xarray_gds.route
+                return await self._host_then_copy(batch, out, drop_axes, self.read)
             return await _read_shards(chain, batch, out, drop_axes, on_device)
         assert isinstance(chain, DecodeChain)
+        # the read engine's loop (xarray_gds.coalesce): joined with other threads' reads,
+        # routed by cost, part k + 1 read while part k decodes
         parts = _split(batch, _part_chunks(len(batch), chain.nbytes, on_device))
-        keys = [[bg.path for bg, *_ in part] for part in parts]
+        store = batch[0][0].store
+        items = [(store, chain, [bg.path for bg, *_ in part], on_device) for part in parts]
+        results: list[GetResult] = []
 
-        def fetch(k: int) -> Any:
-            return _fetch(parts[k], keys[k], on_device)
+        def scatter(k: int, decoded: tuple[list[int], Any]) -> None:
+            results.extend(_scatter(parts[k], *decoded, out, drop_axes, on_device))
 
-        def decode(k: int, fetched: Any) -> Any:
-            return asyncio.to_thread(
-                _decode_and_scatter, chain, parts[k], keys[k], fetched, out, drop_axes, on_device
-            )
-
-        return await _overlapped(len(parts), fetch, decode)
+        await asyncio.to_thread(coalesce.fetch_decode_parts, items, scatter)
+        return tuple(results)
 
     async def _host_then_copy(
         self,
@@ -725,22 +724,22 @@ def decode_fetched(
     return present, chain.finish(data, xp)
 
 
-def _decode_and_scatter(
-    chain: DecodeChain,
+def _scatter(
     batch: list[Any],
-    keys: list[str],
-    fetched: Any,
+    present: list[int],
+    chunks: Any,
     out: Any,
     drop_axes: tuple[int, ...],
     on_device: bool,
 ) -> tuple[GetResult, ...]:
+    """Place the decoded chunks of ``batch`` (``present``: which exist) in ``out``, the
+    fill value where a chunk is missing."""
     xp = _device.array_module("cuda" if on_device else "cpu")
-    present, chunks = decode_fetched(chain, fetched, keys, on_device)
     target = out.as_ndarray_like()
     if present:
         entries = [batch[i] for i in present]
 
-        def scatter(j: int) -> None:
+        def one(j: int) -> None:
             _, _, chunk_sel, out_sel, _ = entries[j]
             value = chunks[j][chunk_sel]
             if drop_axes:
@@ -750,10 +749,10 @@ def _decode_and_scatter(
         if not on_device:
             # a copy per chunk on the pool (numpy copies run without the GIL): one
             # transposing copy of the whole output was 2x slower than the decode
-            host.parallel(scatter, len(entries))
+            host.parallel(one, len(entries))
         elif not _tile(target, chunks, entries, drop_axes, xp):
             for j in range(len(entries)):
-                scatter(j)
+                one(j)
     present_set = set(present)
     results: list[GetResult] = []
     for i, (_, spec, _, out_sel, _) in enumerate(batch):

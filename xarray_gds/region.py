@@ -3,8 +3,8 @@
 zarr's ``get_basic_selection`` builds, in Python, a store path, a chunk selection and
 an output selection for every chunk a read touches: 10-25 us a chunk, more than the
 read and the decode of a small chunk. For a box (integers and slices of step 1) of an
-array that :class:`~xarray_gds.pipeline.GdsCodecPipeline` decodes in batches from a
-:class:`~xarray_gds.store.GdsStore`, :func:`read_box` lists the chunks the box touches
+array that :class:`~xarray_gds.pipeline.GdsCodecPipeline` decodes in batches, in any
+zarr Store (:mod:`xarray_gds.sources`), :func:`read_box` lists the chunks the box touches
 with numpy, reads and decodes them as the pipeline does (same batches, same errors),
 and places them in the output with one reshape a part on the GPU (one a row of chunks,
 in threads, on the host). What is left per chunk is its key and its file read.
@@ -13,7 +13,6 @@ in threads, on the host). What is left per chunk is its key and its file read.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,6 @@ import numpy as np
 from xarray_gds import coalesce, pipeline
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
-from xarray_gds.store import GdsStore
 
 __all__ = ["is_box_key", "read_box", "read_boxes"]
 
@@ -75,7 +73,7 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
 
     It is for boxes (integers, and slices of step 1) of arrays whose codec pipeline is a
     :class:`~xarray_gds.pipeline.GdsCodecPipeline` with a batched plan that runs on
-    ``device``, stored in a :class:`~xarray_gds.store.GdsStore`, when a row of the
+    ``device``, in any zarr Store (bytes read through :mod:`xarray_gds.sources`), when a row of the
     touched chunks (all those that share a chunk index on the first axis) fits in one
     batch. Missing chunks read as the fill value, as zarr reads them.
 
@@ -134,7 +132,7 @@ def read_boxes(items: list[tuple[Any, tuple[Any, ...], _device.Device]]) -> list
 class _Planned:
     """A box read: its chunks, parts (rows of chunks per batch) and output."""
 
-    store: GdsStore
+    store: Any  #: any zarr Store (see xarray_gds.sources)
     chain: DecodeChain
     box: _Box
     reader: _Reader
@@ -146,16 +144,17 @@ class _Planned:
         return self.out.squeeze(axis=self.box.drop) if self.box.drop else self.out
 
     def read_parts(self) -> Any:
-        """Part k + 1 read while part k decodes, as in the pipeline."""
+        """Part by part (:func:`xarray_gds.coalesce.fetch_decode_parts`: part k + 1 read
+        while part k decodes), each placed as it comes."""
         reader = self.reader
-        with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-box") as pool:
-            pending = pool.submit(reader.fetch, *self.parts[0])
-            for k, (r0, r1) in enumerate(self.parts):
-                keys, data = pending.result()
-                if k + 1 < len(self.parts):
-                    pending = pool.submit(reader.fetch, *self.parts[k + 1])
-                decoded = pipeline.decode_fetched(self.chain, data, keys, self.on_device)
-                reader.place(self.out, r0, r1, decoded)
+        items = [
+            (self.store, self.chain, reader.keys(r0, r1), self.on_device) for r0, r1 in self.parts
+        ]
+
+        def place(k: int, decoded: tuple[list[int], Any]) -> None:
+            reader.place(self.out, *self.parts[k], decoded)
+
+        coalesce.fetch_decode_parts(items, place)
         return self.result()
 
 
@@ -165,7 +164,7 @@ def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned 
     asynchronous = array.async_array
     pipe = asynchronous.codec_pipeline
     store = asynchronous.store_path.store
-    if not isinstance(pipe, pipeline.GdsCodecPipeline) or not isinstance(store, GdsStore):
+    if not isinstance(pipe, pipeline.GdsCodecPipeline):
         return None
     chain = pipe.chain
     if not isinstance(chain, DecodeChain) or (on_device and not chain.device_ready):
@@ -195,7 +194,7 @@ class _Reader:
         self,
         metadata: Any,
         prefix: str,
-        store: GdsStore,
+        store: Any,
         chain: DecodeChain,
         box: _Box,
         on_device: bool,
@@ -237,11 +236,6 @@ class _Reader:
         if sep is None:
             return [prefix + self.encode(tuple(c)) for c in rows]
         return [prefix + lead + sep.join(map(str, c)) for c in rows]
-
-    def fetch(self, r0: int, r1: int) -> tuple[list[str], Any]:
-        keys = self.keys(r0, r1)
-        side = "cuda" if self.on_device else "cpu"
-        return keys, self.store.read_chunks(keys, side, self.chain.stored_bound)
 
     def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into

@@ -1,0 +1,151 @@
+"""Where the read engine gets chunk bytes: one small interface, a source per kind of store.
+
+A :class:`Source` turns chunk keys into *locations* (what its reads need: a file path,
+or the key itself) and reads a batch of locations whole, into device memory (one
+:class:`~xarray_gds.batch.DeviceBatch`) or host memory (a list of uint8 arrays,
+``None`` for a missing chunk). The engine (:mod:`xarray_gds.coalesce`) joins the
+requests of many threads and arrays into one read per kind of source:
+
+- :class:`LocalSource`, for a :class:`~xarray_gds.store.GdsStore`: files read by
+  kvikio into one device arena (GPUDirect Storage or kvikio's compat mode), or by the
+  host pool's ``preadv`` calls. The files of every local store in a batch are read
+  together.
+- :class:`StoreSource`, for any other zarr Store (``LocalStore``, ``MemoryStore``,
+  ``FsspecStore``, ``ObjectStore``...): the store's own ``get``, every key of a batch
+  in flight at once on zarr's event loop, then (on the device) one copy into an arena.
+
+A remote source with device reads (kvikio's ``RemoteFile``) is one more class here; the
+engine does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from xarray_gds import device as _device
+from xarray_gds.batch import DeviceBatch
+
+__all__ = ["LocalSource", "Source", "StoreSource", "read", "source_for"]
+
+
+class Source(Protocol):
+    """Chunk bytes of one store."""
+
+    #: sources with the same ``kind`` are read in one call of :meth:`read_all`
+    kind: str
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        """What a read of each key needs (checked as the store checks keys)."""
+        ...
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        """Every location (``sources[i]`` holds ``locations[i]``), read whole: a
+        DeviceBatch when ``on_device``, else a list of arrays (``None`` if missing)."""
+        ...
+
+
+class LocalSource:
+    """Files of a :class:`~xarray_gds.store.GdsStore`."""
+
+    kind = "local"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        return list(self.store.chunk_paths(keys))
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        from xarray_gds.store import read_files_device, read_files_host
+
+        if not on_device:
+            return read_files_host(locations)
+        return read_files_device(locations, slots)
+
+
+class StoreSource:
+    """Keys of any zarr Store, read through its own ``get``."""
+
+    kind = "store"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        return list(keys)
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        import asyncio
+
+        from zarr.core.buffer import cpu
+        from zarr.core.sync import sync
+
+        async def one(i: int) -> Any:
+            got = await sources[i].store.get(locations[i], prototype=cpu.buffer_prototype)
+            return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(one(i) for i in range(len(locations)))))
+
+        found: list[np.ndarray | None] = sync(every())
+        if not on_device:
+            return found
+        from xarray_gds.codecs import nvcomp
+
+        return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
+
+
+def source_for(store: Any) -> LocalSource | StoreSource:
+    """The source of a zarr Store's chunk bytes."""
+    from xarray_gds.store import GdsStore
+
+    return LocalSource(store) if isinstance(store, GdsStore) else StoreSource(store)
+
+
+def read(
+    sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+) -> Any:
+    """Every location of a batch whose locations come from several sources: one
+    :meth:`Source.read_all` per kind, joined into one DeviceBatch (device) or list."""
+    kinds = {s.kind for s in sources}
+    if len(kinds) <= 1:
+        reader = type(sources[0]) if sources else LocalSource
+        return reader.read_all(sources, locations, on_device, slots)
+    parts: list[tuple[np.ndarray, Any]] = []
+    for kind in sorted(kinds):
+        idx = np.flatnonzero([s.kind == kind for s in sources])
+        picked = [sources[i] for i in idx.tolist()]
+        got = type(picked[0]).read_all(
+            picked,
+            [locations[i] for i in idx.tolist()],
+            on_device,
+            None if slots is None else slots[idx],
+        )
+        parts.append((idx, got))
+    if not on_device:
+        out: list[Any] = [None] * len(locations)
+        for idx, got in parts:
+            for i, a in zip(idx.tolist(), got, strict=True):
+                out[i] = a
+        return out
+    from xarray_gds.codecs import nvcomp
+
+    arrays: list[Any] = [None] * len(locations)
+    for idx, batch in parts:
+        assert isinstance(batch, DeviceBatch)
+        for i, start, size in zip(idx.tolist(), batch.offsets, batch.sizes, strict=True):
+            if size >= 0:
+                arrays[i] = batch.arena[int(start) : int(start) + int(size)]
+    return nvcomp.pack(arrays)
