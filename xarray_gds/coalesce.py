@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from xarray_gds import decode, route, sources
 from xarray_gds import device as _device
-from xarray_gds import pipeline, route, sources
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.store import read_files_device, read_files_host
@@ -104,7 +104,7 @@ def fetch_decode(
     """Read and decode the chunks ``keys`` of ``store``, together with the requests
     other threads make meanwhile.
 
-    Returns what :func:`xarray_gds.pipeline.decode_fetched` returns for
+    Returns what :func:`xarray_gds.decode.decode_fetched` returns for
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
@@ -264,7 +264,7 @@ def _take() -> list[_Request]:
     ``_cond`` held."""
     first = _waiting[0]
     with _on_gpu(first):
-        budget = pipeline._budget(first.on_device)
+        budget = decode.budget(first.on_device)
     group: list[_Request] = []
     rest: list[_Request] = []
     total = 0
@@ -333,7 +333,7 @@ def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None
             fetched = _read([r])
         elif idx is not None:
             fetched = _subset(fetched, idx, r.decode_on_device)
-        _deliver(r, *pipeline.decode_fetched(r.chain, fetched, r.keys, r.decode_on_device))
+        _deliver(r, *decode.decode_fetched(r.chain, fetched, r.keys, r.decode_on_device))
     except Exception as err:  # raised in the thread that asked
         r.error = err
 
@@ -400,7 +400,7 @@ def _decode_members(
     idx = np.concatenate([i for _, i in members])
     keys = [k for r, _ in members for k in r.keys]
     try:
-        present, chunks = pipeline.decode_fetched(
+        present, chunks = decode.decode_fetched(
             chain, _subset(fetched, idx, on_device), keys, on_device
         )
     except Exception:  # find which request it was

@@ -33,7 +33,7 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
-from xarray_gds import coalesce, config, route
+from xarray_gds import coalesce, config, decode, route
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
@@ -56,17 +56,6 @@ _warned: set[Any] = set()
 
 #: zarr config key of the ``levels`` policy of device writes (see ``to_zarr``)
 _LEVELS_KEY = "xarray_gds.levels"
-
-
-def batch_bytes(on_device: bool = True) -> int:
-    """Decoded bytes per batch of a read (``XARRAY_GDS_BATCH_BYTES``; default 4 GiB on
-    the GPU, 1 GiB on the host).
-
-    A read of more chunks than fit runs batch after batch (the next one read while the
-    current one decodes), so its working set stays bounded whatever its size.
-    """
-    default = 4 << 30 if on_device else 1 << 30
-    return int(config.get("batch_bytes") or default)
 
 
 _config_lock = threading.RLock()
@@ -219,7 +208,7 @@ class GdsCodecPipeline(CodecPipeline):
         assert isinstance(chain, DecodeChain)
         # the read engine's loop (xarray_gds.coalesce): joined with other threads' reads,
         # routed by cost, part k + 1 read while part k decodes
-        parts = _split(batch, _part_chunks(len(batch), chain.nbytes, on_device))
+        parts = _split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
         store = batch[0][0].store
         items = [(store, chain, [bg.path for bg, *_ in part], on_device) for part in parts]
         results: list[GetResult] = []
@@ -289,6 +278,11 @@ class GdsCodecPipeline(CodecPipeline):
 
 register_pipeline(GdsCodecPipeline)
 
+# the decode layer under the engine (xarray_gds.decode), under the names this module
+# has always used
+batch_bytes = decode.batch_bytes
+decode_fetched = decode.decode_fetched
+
 
 def _host_route(chain: DecodeChain | ShardChain, n_chunks: int) -> bool:
     """Whether a GPU read of ``n_chunks`` chunks (or shards) of ``chain`` decodes faster
@@ -298,41 +292,6 @@ def _host_route(chain: DecodeChain | ShardChain, n_chunks: int) -> bool:
         chain = chain.inner
     name = chain.compressor.name if chain.compressor is not None else None
     return route.choose(name, n_chunks, chain.nbytes) == "host"
-
-
-def _budget(on_device: bool) -> int:
-    """Decoded bytes per batch: the configured budget, and on the GPU at most a sixth
-    of the free device memory. Beside the output live the compressed bytes of two
-    batches (the one decoding and the next one being read), the decoded rows of one,
-    and up to two more decoded-size temporaries (realignment, byte order, tiling)."""
-    budget = batch_bytes(on_device)
-    if on_device:
-        free, _ = _device.cupy().cuda.runtime.memGetInfo()
-        budget = min(budget, max(1, free // 6))
-    return budget
-
-
-def pipeline_parts() -> int:
-    """Parts a read is split into at least (``XARRAY_GDS_PIPELINE_PARTS``, default 1).
-
-    Part ``k + 1`` is always read while part ``k`` decodes. Measured on an H200, one
-    nvCOMP call over all chunks beat any split into overlapped parts (its decode is
-    the bottleneck, and fewer chunks per call use the GPU less well), so by default
-    a read is split only when it exceeds the batch budget (:func:`batch_bytes`).
-    """
-    return max(1, int(config.get("pipeline_parts")))
-
-
-#: Reads smaller than this are not split: a decode call needs many chunks to fill the GPU.
-_MIN_PART_BYTES = 64 << 20
-
-
-def _part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
-    """Chunks per part of a read of ``n_chunks`` chunks of ``chunk_nbytes`` decoded bytes."""
-    chunk_nbytes = max(1, chunk_nbytes)
-    total = n_chunks * chunk_nbytes
-    target = min(_budget(on_device), max(_MIN_PART_BYTES, -(-total // pipeline_parts())))
-    return max(1, target // chunk_nbytes)
 
 
 def _split(batch: list[Any], per_part: int) -> list[list[Any]]:
@@ -360,21 +319,6 @@ async def _overlapped(
             with contextlib.suppress(Exception):
                 await pending
     return tuple(results)
-
-
-async def _fetch(part: list[Any], keys: list[str], on_device: bool) -> Any:
-    """Encoded bytes of the chunks of ``part``: a DeviceBatch on the GPU, else a list."""
-    store = part[0][0].store
-    if isinstance(store, GdsStore):
-        return await asyncio.to_thread(store.read_chunks, keys, "cuda" if on_device else "cpu")
-    proto = _device.buffer_prototype("cuda" if on_device else "cpu")
-    bufs = await asyncio.gather(*(bg.get(prototype=proto) for bg, *_ in part))
-    fetched = [None if b is None else b.as_array_like() for b in bufs]
-    if on_device:
-        from xarray_gds.codecs.nvcomp import pack
-
-        return pack(fetched)
-    return fetched
 
 
 def _touched(sel: Any, size: int, chunk: int) -> np.ndarray:
@@ -471,7 +415,7 @@ async def _read_shards(
 ) -> tuple[GetResult, ...]:
     """Read shards: indexes on the host, then the touched inner chunks of every shard by
     byte range, all decoded in one batch and assembled shard by shard."""
-    parts = _split(batch, _part_chunks(len(batch), chain.nbytes, on_device))
+    parts = _split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
 
     async def fetch(k: int) -> Any:
         part = parts[k]
@@ -488,13 +432,13 @@ async def _read_shards(
                 fetched = await _get_ranges(part, plan, on_device)
         return indexes, plan, fetched
 
-    def decode(k: int, fetched: Any) -> Any:
+    def decode_part(k: int, fetched: Any) -> Any:
         indexes, plan, data = fetched
         return asyncio.to_thread(
             _shards_sync, chain, parts[k], indexes, plan, data, out, drop_axes, on_device
         )
 
-    return await _overlapped(len(parts), fetch, decode)
+    return await _overlapped(len(parts), fetch, decode_part)
 
 
 class _InnerKeys(Sequence[str]):
@@ -593,7 +537,7 @@ def _shards_sync(
                 fetched = nvcomp.pack(fetched)
             data = nvcomp.decode(inner, fetched, list(range(n_plan)), keys)
         else:
-            data = _decode_host(inner, fetched, keys)
+            data = decode.decode_host(inner, fetched, keys)
         for flt in inner.filters:
             data = flt.apply(data, xp)
         decoded = inner.finish(data, xp)
@@ -611,7 +555,7 @@ def _shards_sync(
         j0, j1 = int(bounds[s]), int(bounds[s + 1])
         if j1 - j0 == n_inner:
             # every inner chunk present, in C order: one reshape/transpose builds the shard
-            shard = _untile(decoded[j0:j1], grid, chain.shard_shape)
+            shard = decode.untile(decoded[j0:j1], grid, chain.shard_shape)
         else:
             dtype = inner.dtype.newbyteorder("=")
             shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
@@ -644,19 +588,6 @@ async def _get_ranges(part: list[Any], plan: _ShardPlan, on_device: bool) -> lis
     return list(await asyncio.gather(*(one(k) for k in range(len(plan.sizes)))))
 
 
-def _decode_host(chain: DecodeChain, chunks: list[Any], keys: Sequence[str]) -> Any:
-    if chain.crc32c:
-        chunks = host.strip_crc32c(chunks, keys)
-    if chain.compressor is not None and chain.compressor.name == "blosc":
-        from xarray_gds.codecs import blosc
-
-        # check every frame's tables before c-blosc reads them (it trusts them)
-        blosc.parse_frames(chunks, keys, chain.nbytes)
-    if chain.compressor is not None:
-        return host.decompress(chain.compressor, chunks, chain.nbytes, keys)
-    return host.stack(chunks, chain.nbytes, keys)
-
-
 def _tile(
     target: Any, chunks: Any, entries: list[Any], drop_axes: tuple[int, ...], xp: Any
 ) -> bool:
@@ -687,41 +618,8 @@ def _tile(
     perm = np.argsort(order)
     if np.any(perm != np.arange(len(perm))):
         chunks = chunks[xp.asarray(perm)]
-    target[...] = _untile(chunks, grid, tuple(target.shape))
+    target[...] = decode.untile(chunks, grid, tuple(target.shape))
     return True
-
-
-def _untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
-    """Chunks ``(n, *chunk_shape)`` in C order of ``grid`` as one array of ``shape``."""
-    ndim = len(grid)
-    axes = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
-    return chunks.reshape((*grid, *chunks.shape[1:])).transpose(axes).reshape(shape)
-
-
-def decode_fetched(
-    chain: DecodeChain, fetched: Any, keys: Sequence[str], on_device: bool
-) -> tuple[list[int], Any]:
-    """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
-    whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
-    order; ``None`` when no chunk exists). ``fetched`` is what
-    :meth:`GdsStore.read_chunks` returns for ``keys`` on that side."""
-    xp = _device.array_module("cuda" if on_device else "cpu")
-    if on_device:
-        present = np.flatnonzero(fetched.sizes >= 0).tolist()
-    else:
-        present = [i for i, data in enumerate(fetched) if data is not None]
-    if not present:
-        return present, None
-    names = [keys[i] for i in present]
-    if on_device:
-        from xarray_gds.codecs import nvcomp
-
-        data = nvcomp.decode(chain, fetched, present, names)
-    else:
-        data = _decode_host(chain, [fetched[i] for i in present], names)
-    for f in chain.filters:
-        data = f.apply(data, xp)
-    return present, chain.finish(data, xp)
 
 
 def _scatter(
@@ -824,7 +722,7 @@ async def _write_batched(
     proto = _device.buffer_prototype("cuda" if on_device else "cpu")
     dtype = plan.dtype.newbyteorder("=")
     # the staged chunks, their stored layout and the compressed output live together
-    per_part = max(1, _budget(on_device) // max(1, 5 * plan.nbytes))
+    per_part = max(1, decode.budget(on_device) // max(1, 5 * plan.nbytes))
     writing: asyncio.Future[None] | None = None
     try:
         for part in _split(batch, per_part):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds import coalesce, pipeline
+from xarray_gds import coalesce, decode
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
 
@@ -164,9 +164,7 @@ def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned 
     asynchronous = array.async_array
     pipe = asynchronous.codec_pipeline
     store = asynchronous.store_path.store
-    if not isinstance(pipe, pipeline.GdsCodecPipeline):
-        return None
-    chain = pipe.chain
+    chain = getattr(pipe, "chain", None)  # xarray_gds.pipeline.GdsCodecPipeline's plan
     if not isinstance(chain, DecodeChain) or (on_device and not chain.device_ready):
         return None
     if getattr(array.config, "read_missing_chunks", True) is False:
@@ -175,7 +173,7 @@ def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned 
     if box is None:
         return None
     row = math.prod(box.grid[1:])
-    rows_per_part = pipeline._part_chunks(row * box.grid[0], chain.nbytes, on_device) // row
+    rows_per_part = decode.part_chunks(row * box.grid[0], chain.nbytes, on_device) // row
     if rows_per_part < 1:
         return None  # zarr's path splits finer than a row of chunks
     path = asynchronous.store_path.path
@@ -239,7 +237,7 @@ class _Reader:
 
     def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
-        ``out``; ``decoded`` is what :func:`pipeline.decode_fetched` returns for them."""
+        ``out``; ``decoded`` is what :func:`xarray_gds.decode.decode_fetched` returns for them."""
         chain, box, xp = self.chain, self.box, self.xp
         present, chunks = decoded
         row = math.prod(box.grid[1:])  # chunks a row
@@ -254,7 +252,7 @@ class _Reader:
         def rows(a: int, b: int) -> None:
             """Copy chunk rows ``r0 + a .. r0 + b`` of the box into ``out``."""
             grid = (b - a, *box.grid[1:])
-            block = pipeline._untile(
+            block = decode.untile(
                 chunks[a * row : b * row], grid, tuple(g * c for g, c in zip(grid, cs, strict=True))
             )
             origin = [(box.lo[0] + r0 + a) * cs[0]]  # of the block, in the array

@@ -1,0 +1,110 @@
+"""Decoding a batch of fetched chunks, and how large a batch is: the layer under the
+read engine (:mod:`xarray_gds.coalesce`), the box reads (:mod:`xarray_gds.region`) and
+the zarr adapter (:mod:`xarray_gds.pipeline`), which all decode through
+:func:`decode_fetched`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from xarray_gds import config
+from xarray_gds import device as _device
+from xarray_gds.codecs import DecodeChain, host
+
+__all__ = ["batch_bytes", "budget", "decode_fetched", "decode_host", "part_chunks", "untile"]
+
+
+def batch_bytes(on_device: bool = True) -> int:
+    """Decoded bytes per batch of a read (``XARRAY_GDS_BATCH_BYTES``; default 4 GiB on
+    the GPU, 1 GiB on the host).
+
+    A read of more chunks than fit runs batch after batch (the next one read while the
+    current one decodes), so its working set stays bounded whatever its size.
+    """
+    default = 4 << 30 if on_device else 1 << 30
+    return int(config.get("batch_bytes") or default)
+
+
+def budget(on_device: bool) -> int:
+    """Decoded bytes per batch: the configured budget, and on the GPU at most a sixth
+    of the free device memory. Beside the output live the compressed bytes of two
+    batches (the one decoding and the next one being read), the decoded rows of one,
+    and up to two more decoded-size temporaries (realignment, byte order, tiling)."""
+    budget = batch_bytes(on_device)
+    if on_device:
+        free, _ = _device.cupy().cuda.runtime.memGetInfo()
+        budget = min(budget, max(1, free // 6))
+    return budget
+
+
+def pipeline_parts() -> int:
+    """Parts a read is split into at least (``XARRAY_GDS_PIPELINE_PARTS``, default 1).
+
+    Part ``k + 1`` is always read while part ``k`` decodes. Measured on an H200, one
+    nvCOMP call over all chunks beat any split into overlapped parts (its decode is
+    the bottleneck, and fewer chunks per call use the GPU less well), so by default
+    a read is split only when it exceeds the batch budget (:func:`batch_bytes`).
+    """
+    return max(1, int(config.get("pipeline_parts")))
+
+
+#: Reads smaller than this are not split: a decode call needs many chunks to fill the GPU.
+MIN_PART_BYTES = 64 << 20
+
+
+def part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
+    """Chunks per part of a read of ``n_chunks`` chunks of ``chunk_nbytes`` decoded bytes."""
+    chunk_nbytes = max(1, chunk_nbytes)
+    total = n_chunks * chunk_nbytes
+    target = min(budget(on_device), max(MIN_PART_BYTES, -(-total // pipeline_parts())))
+    return max(1, target // chunk_nbytes)
+
+
+def decode_host(chain: DecodeChain, chunks: list[Any], keys: Sequence[str]) -> Any:
+    if chain.crc32c:
+        chunks = host.strip_crc32c(chunks, keys)
+    if chain.compressor is not None and chain.compressor.name == "blosc":
+        from xarray_gds.codecs import blosc
+
+        # check every frame's tables before c-blosc reads them (it trusts them)
+        blosc.parse_frames(chunks, keys, chain.nbytes)
+    if chain.compressor is not None:
+        return host.decompress(chain.compressor, chunks, chain.nbytes, keys)
+    return host.stack(chunks, chain.nbytes, keys)
+
+
+def untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """Chunks ``(n, *chunk_shape)`` in C order of ``grid`` as one array of ``shape``."""
+    ndim = len(grid)
+    axes = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
+    return chunks.reshape((*grid, *chunks.shape[1:])).transpose(axes).reshape(shape)
+
+
+def decode_fetched(
+    chain: DecodeChain, fetched: Any, keys: Sequence[str], on_device: bool
+) -> tuple[list[int], Any]:
+    """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
+    whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
+    order; ``None`` when no chunk exists). ``fetched`` is what
+    :meth:`GdsStore.read_chunks` returns for ``keys`` on that side."""
+    xp = _device.array_module("cuda" if on_device else "cpu")
+    if on_device:
+        present = np.flatnonzero(fetched.sizes >= 0).tolist()
+    else:
+        present = [i for i, data in enumerate(fetched) if data is not None]
+    if not present:
+        return present, None
+    names = [keys[i] for i in present]
+    if on_device:
+        from xarray_gds.codecs import nvcomp
+
+        data = nvcomp.decode(chain, fetched, present, names)
+    else:
+        data = decode_host(chain, [fetched[i] for i in present], names)
+    for f in chain.filters:
+        data = f.apply(data, xp)
+    return present, chain.finish(data, xp)
