@@ -1,38 +1,47 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: makes .venv (Python >= 3.12) with the
-# project installed in it, and puts it first on PATH. Set PYTHON to choose the interpreter.
+# Sourced by scripts/test.sh, test-min.sh and demo.sh: makes a virtual environment
+# (Python >= 3.12) with the project installed in it, and puts it first on PATH. Set
+# PYTHON to choose the interpreter.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 _ok() { "$@" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 
-find_python() {
+_is() {  # _is PYTHON X.Y: the interpreter runs (and, with X.Y, is that version)
+  [ -z "${2:-}" ] && { _ok "$1"; return; }
+  _ok "$1" && "$1" -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$2')" \
+    >/dev/null 2>&1
+}
+
+find_python() {  # find_python [X.Y]: an interpreter >= 3.12, that version when given
   if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  local want=${1:-} c
   for c in python3.13 python3.12 python3; do
-    if _ok "$c"; then echo "$c"; return; fi
+    if _is "$c" "$want"; then echo "$c"; return; fi
   done
   # pyenv shims exist for every installed version but only run the selected one, so
   # take the interpreter's own path (3.12 first: the GPU machine runs 3.12)
   if command -v pyenv >/dev/null 2>&1; then
     local v
     for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])(\.[0-9]+)?$' | sort -V); do
-      if _ok "$(pyenv root)/versions/$v/bin/python3"; then
+      if _is "$(pyenv root)/versions/$v/bin/python3" "$want"; then
         echo "$(pyenv root)/versions/$v/bin/python3"
         return
       fi
     done
   fi
-  echo "error: Python >= 3.12 not found (zarr >= 3.2 needs it); set PYTHON=/path/to/python3.12" >&2
+  echo "error: Python ${want:->= 3.12} not found (zarr >= 3.2 needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
   exit 1
 }
 
-setup_venv() {  # setup_venv EXTRAS
-  local py
-  py=$(find_python)
-  if [ ! -x .venv/bin/python ] || ! _ok .venv/bin/python; then
-    rm -rf .venv
-    "$py" -m venv .venv
+setup_venv() {  # setup_venv EXTRAS [VENV [PYTHON_VERSION [PIP_INSTALL_ARGS...]]]
+  local extras=$1 venv=${2:-.venv} want=${3:-} py
+  shift $(($# < 3 ? $# : 3))
+  py=$(find_python "$want")
+  if [ ! -x "$venv/bin/python" ] || ! _is "$venv/bin/python" "$want"; then
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
   fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$1]"
-  export PATH="$PWD/.venv/bin:$PATH"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
+  export PATH="$PWD/$venv/bin:$PATH"
 }

@@ -22,8 +22,10 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   XARRAY_GDS_REQUIRE_GPU=1 timeout 540 python3 -m pytest -q -p no:cacheprovider \
-    --timeout 120 --tb=short -rf tests > "$out/gpu-tests.log" 2>&1 || rc=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
+    --timeout 120 --tb=short -ra tests > "$out/gpu-tests.log" 2>&1 || rc=1
+  # -ra (not -rf): the log lists every skip with its reason, so a GPU run that skips
+  # shows why
+  grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" | tail -30
   timeout 60 python3 -m xarray_gds.cli demo --device cuda > "$out/demo.txt" 2>&1 || rc=1
   tail -5 "$out/demo.txt"
 fi

@@ -14,6 +14,7 @@ import pytest
 import xarray as xr
 import zarr
 import zarr.codecs as zc
+import zarr.codecs.numcodecs
 
 from xarray_gds.device import cuda_status
 
@@ -44,9 +45,57 @@ def to_numpy(ds: xr.Dataset) -> xr.Dataset:
 
 SOURCE_INDEXES = frozenset({"time", "lat", "lon"})
 
+#: Where ``engine="gds-zarr"`` with ``device="cuda"`` puts a (decoded, non-index, N-d)
+#: variable of each dtype. Written out here rather than taken from
+#: ``xarray_gds.placement``, the function under test: numeric data (bool, integers,
+#: floats, complex) on the device; datetimes, timedeltas (CuPy has neither) and strings
+#: on the host. A dtype missing here fails :func:`expected_placement`: add it.
+PLACEMENT_BY_DTYPE: dict[str, str] = {
+    "bool": "cuda",
+    "int8": "cuda",
+    "int16": "cuda",
+    "int32": "cuda",
+    "int64": "cuda",
+    "uint8": "cuda",
+    "uint16": "cuda",
+    "uint32": "cuda",
+    "uint64": "cuda",
+    "float16": "cuda",
+    "float32": "cuda",
+    "float64": "cuda",
+    "complex64": "cuda",
+    "complex128": "cuda",
+    "object": "host",  # strings
+}
+#: Dtypes that come in many units or lengths, by kind.
+PLACEMENT_BY_KIND: dict[str, str] = {
+    "M": "host",  # datetime64[*]
+    "m": "host",  # timedelta64[*]
+    "U": "host",  # fixed-width unicode strings
+    "S": "host",  # fixed-width bytes
+    "T": "host",  # numpy's variable-width StringDType (zarr's string data type)
+}
+
+
+def expected_placement(name: str, var: xr.Variable) -> str:
+    """``"cuda"`` or ``"host"``: where a variable read on ``device="cuda"`` belongs.
+
+    Index coordinates (1-D, named after their dimension) and 0-d variables stay on the
+    host; other variables go where :data:`PLACEMENT_BY_DTYPE` says for their dtype.
+    """
+    if var.dims == (name,) or var.ndim == 0:
+        return "host"
+    dtype = np.dtype(var.dtype)
+    if dtype.kind in PLACEMENT_BY_KIND:
+        return PLACEMENT_BY_KIND[dtype.kind]
+    assert dtype.name in PLACEMENT_BY_DTYPE, f"add {dtype} to PLACEMENT_BY_DTYPE ({name!r})"
+    return PLACEMENT_BY_DTYPE[dtype.name]
+
 
 def assert_placed(ds: xr.Dataset, device: str) -> None:
-    """Numeric non-index variables on ``device``; everything else numpy."""
+    """Each variable where :func:`expected_placement` says (numpy on ``device="cpu"``),
+    and ``xarray_gds.placement`` agreeing with that table whatever ``device`` is (so
+    that the CPU suite checks the placement rule too)."""
     import xarray_gds
 
     for name, var in ds.variables.items():
@@ -57,10 +106,13 @@ def assert_placed(ds: xr.Dataset, device: str) -> None:
         on_device = hasattr(data, "__cuda_array_interface__")
         if var.ndim == 0 and var.encoding.get("chunks"):
             # a point selected from a stored N-d variable: placed as that variable
-            want = device == "cuda" and var.dtype.kind in "biufc"
+            # (a selection from a device variable stays on the device)
+            where = expected_placement(str(name), var.expand_dims("_point"))
         else:
-            want = device == "cuda" and xarray_gds.placement(str(name), var) == "cuda"
-        assert on_device == want, (name, type(data), device)
+            where = expected_placement(str(name), var)
+            engine = xarray_gds.placement(str(name), var) or "host"
+            assert engine == where, (name, var.dtype, var.dims, engine, where)
+        assert on_device == (device == "cuda" and where == "cuda"), (name, type(data), device)
         if not on_device:
             assert isinstance(data, np.ndarray | pd.Index) or var.dims == (name,), (
                 name,
@@ -146,6 +198,8 @@ V3_CODECS: dict[str, dict[str, Any]] = {
     "crc32c": {"compressors": [zc.ZstdCodec(), zc.Crc32cCodec()]},
     "big-endian": {"serializer": zc.BytesCodec(endian="big"), "compressors": [zc.GzipCodec()]},
     "sharded": {"shards": "outer", "compressors": [zc.ZstdCodec()]},
+    # no batched decoder: zarr-python decodes it (on the host, for either device)
+    "lzma": {"compressors": [zarr.codecs.numcodecs.LZMA(preset=1)]},
 }
 V2_CODECS: dict[str, dict[str, Any]] = {
     "zstd": {"compressors": [numcodecs.Zstd(level=3)]},
@@ -165,6 +219,8 @@ V2_CODECS: dict[str, dict[str, Any]] = {
         "compressors": [numcodecs.Zlib()],
         "filters": lambda dt: [numcodecs.Delta(dtype=dt)],
     },
+    # no batched decoder: zarr-python decodes it (on the host, for either device)
+    "bz2": {"compressors": [numcodecs.BZ2(level=5)]},
 }
 
 

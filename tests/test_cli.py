@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ def test_demo_cpu(
     assert "(48, 73, 144)" in rows["t2m"]
     assert "GPU (cupy)" not in out
     assert "gds-zarr" in rows and "zarr" in rows  # the timing table
+    assert "one cold run each" in out and "`xarray-gds bench`" in out
+    assert "Pass --device cpu" not in err  # asked for cpu: nothing to warn about
     # The temporary store is gone.
     assert list(tmp_path.iterdir()) == []
 
@@ -115,6 +118,23 @@ def test_demo_reports_a_mismatch(
     out, err = capsys.readouterr()
     assert "identical: NO" in out
     assert "disagree" in err and "t2m" in err
+
+
+def test_demo_auto_without_gpu_warns_in_cli_terms(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: (False, "no GPU in this test"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["demo"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "xarray-gds demo: warning: no usable GPU (no GPU in this test); reading on the host "
+        "with numpy instead. Pass --device cpu to silence this warning." in err
+    )
+    assert "device='cpu'" not in err + out
+    assert not [w for w in caught if "device='cpu'" in str(w.message)]  # not the engine's
+    assert "device:     cpu (host, numpy: no usable GPU: no GPU in this test)" in out
 
 
 def test_demo_cuda_without_gpu(
@@ -179,9 +199,10 @@ def _v3_store(path: Path) -> Path:
 
 def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _v2_store(tmp_path / "v2.zarr")
-    assert cli.main(["info", str(path)]) == 0
+    assert cli.main(["info", str(path), "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "zarr format:  2" in out
+    assert "device:       cuda (--device cuda)" in out
     blocks = sections(out)
     assert set(blocks) == {"/t2m", "/time", "/valid_time"}
     t2m = blocks["/t2m"]
@@ -192,16 +213,16 @@ def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "shards" not in t2m
     assert field(t2m, "filter") == "shuffle(elementsize=4) | GPU (batched)"
     assert field(t2m, "compressor").startswith("zstd(level=5")
-    assert field(t2m, "placement").startswith("device")
+    assert field(t2m, "placement") == "GPU (CuPy)"
     assert field(t2m, "encode").startswith("zarr-python on the host (filters")
-    assert field(blocks["/time"], "placement") == "host (index coordinate)"
+    assert field(blocks["/time"], "placement") == "host (numpy: index coordinate)"
     assert "datetime64" in field(blocks["/valid_time"], "placement")
     assert "compressor" not in blocks["/valid_time"]
 
 
 def test_info_v3_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _v3_store(tmp_path / "v3.zarr")
-    assert cli.main(["info", str(path)]) == 0
+    assert cli.main(["info", str(path), "--device", "cuda"]) == 0
     blocks = sections(capsys.readouterr().out)
     assert set(blocks) == {"/forecast/t2m", "/lat"}
     t2m = blocks["/forecast/t2m"]
@@ -210,12 +231,63 @@ def test_info_v3_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert field(t2m, "serializer").startswith("sharding_indexed(chunk_shape=(4, 5)")
     assert field(t2m, "inner compressor").startswith("zstd(level=7")
     assert field(t2m, "index compressor").startswith("crc32c")
-    assert field(t2m, "placement").startswith("device")
+    assert field(t2m, "placement") == "GPU (CuPy)"
     assert field(t2m, "encode").startswith("zarr-python on the host (inner chunks: level=7")
     lat = blocks["/lat"]
-    assert field(lat, "placement") == "host (index coordinate)"
+    assert field(lat, "placement") == "host (numpy: index coordinate)"
     assert field(lat, "shape") == "(16,)"
-    assert field(lat, "encode") == "batched: nvCOMP on the GPU"
+    # index coordinates stay on the host, so zarr-python writes them
+    assert field(lat, "encode") == "zarr-python on the host (the values are on the host)"
+
+
+@pytest.mark.parametrize(
+    ("asked", "gpu", "device_line"),
+    [
+        ("cpu", True, "cpu (--device cpu)"),
+        ("cuda", False, "cuda (--device cuda); no usable GPU here: no GPU in this test"),
+        ("auto", False, "cpu (no usable GPU: no GPU in this test); --device cuda shows"),
+        ("auto", True, "cuda ("),
+    ],
+)
+def test_info_routes_are_for_the_device_of_the_run(
+    asked: str,
+    gpu: bool,
+    device_line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = (True, "") if gpu else (False, "no GPU in this test; install hint")
+    monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: status)
+    monkeypatch.setattr(cli, "_gpu_name", lambda: "Test GPU")
+    path = _v2_store(tmp_path / "v2.zarr")
+    assert cli.main(["info", str(path), "--device", asked]) == 0
+    out = capsys.readouterr().out
+    (line,) = (x for x in out.splitlines() if x.startswith("device:"))
+    assert line.removeprefix("device:").strip().startswith(device_line), line
+    t2m = sections(out)["/t2m"]
+    if device_line.startswith("cuda"):
+        assert field(t2m, "placement") == "GPU (CuPy)"
+        assert field(t2m, "decode") == "batched: nvCOMP on the GPU"
+        assert field(t2m, "compressor").endswith("| GPU (batched)")
+    else:
+        assert field(t2m, "placement") == "host (numpy: the run is on cpu)"
+        assert field(t2m, "decode") == "batched on the host (numcodecs, threaded)"
+        assert field(t2m, "compressor").endswith("| host (batched)")
+        assert field(t2m, "encode") == "zarr-python on the host (the values are on the host)"
+        assert "GPU" not in t2m and "nvCOMP" not in t2m
+
+
+def test_info_shows_fill_value_decoded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ds = xr.Dataset({"u": ("t", np.array([1.0, np.nan, 3.0], "f4"), {"units": "m s-1"})})
+    ds["u"].encoding["_FillValue"] = np.float32(-9999.0)
+    ds.to_zarr(tmp_path / "v3.zarr", zarr_format=3, consolidated=False)
+    stored = zarr.open_array(tmp_path / "v3.zarr" / "u", mode="r").attrs["_FillValue"]
+    assert stored == "AAAAAICHw8A="  # xarray's base64 of the little-endian float64
+    assert cli.main(["info", str(tmp_path / "v3.zarr")]) == 0
+    u = sections(capsys.readouterr().out)["/u"]
+    assert field(u, "cf") == "units='m s-1', _FillValue=-9999.0"
+    assert stored not in u
 
 
 def test_info_group_and_root_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,10 +313,37 @@ def test_info_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
     path = _v3_store(tmp_path / "v3.zarr")
     assert cli.main(["info", str(path), "--group", "nope"]) == 2
-    assert "nope" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"group 'nope' not found in Zarr store {open_store_url(path)}" in err
+    assert err.rstrip().endswith("the groups in it are: '/', '/forecast'")
+    # as open_dataset says it
+    with pytest.raises(FileNotFoundError, match=r"the groups in it are: '/', '/forecast'"):
+        xr.open_dataset(path, engine="gds-zarr", group="nope", device="cpu")
 
     assert cli.main(["info"]) == 2  # argparse usage error, no SystemExit
     assert "path" in capsys.readouterr().err
+
+
+def open_store_url(path: Path) -> str:
+    return str(xarray_gds.open_store(path))
+
+
+def test_info_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    root = zarr.open_group(tmp_path / "many.zarr", mode="w", zarr_format=3)
+    for i in range(500):  # about 290 kB of output: several times what a pipe holds
+        root.create_array(f"a{i:03d}", shape=(4,), chunks=(2,), dtype="f4", dimension_names=["x"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xarray_gds.cli", "info", str(tmp_path / "many.zarr")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,  # read only the first line from the pipe
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"store:")  # `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == ""  # no BrokenPipeError traceback, no "Exception ignored"
 
 
 # Substrings that identify each conftest codec case in ``info`` output.
@@ -263,6 +362,8 @@ _CODEC_MARKS = {
     "zlib": "zlib(",
     "shuffle-zstd": "shuffle(",
     "delta-zlib": "delta(",
+    "lzma": "numcodecs.lzma(preset=1)",
+    "bz2": "bz2(level=5)",
 }
 
 
@@ -270,7 +371,7 @@ def test_info_on_every_codec_case(
     store_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:
     zarr_format, codec = request.node.callspec.params["store_path"]
-    assert cli.main(["info", str(store_path)]) == 0
+    assert cli.main(["info", str(store_path), "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     blocks = sections(out)
     assert "/t2m" in blocks and "/time" in blocks
@@ -278,28 +379,32 @@ def test_info_on_every_codec_case(
         assert "compressor" not in blocks["/t2m"]
     else:
         assert _CODEC_MARKS[codec] in blocks["/t2m"]
-    assert field(blocks["/t2m"], "placement").startswith("device")
+    assert field(blocks["/t2m"], "placement") == "GPU (CuPy)"
     assert field(blocks["/station"], "placement").startswith("host")
     assert "datetime64" in field(blocks["/valid_time"], "placement")
 
 
 @pytest.mark.parametrize(
-    ("codec", "where"),
+    ("codec", "device", "where"),
     [
-        ("zstd", "GPU (batched)"),
-        ("sharded", "GPU (batched)"),
-        ("crc32c", "GPU (batched)" if crc32c.available() else "host (batched)"),
-        ("blosc", "GPU (batched)"),
-        ("big-endian", "GPU (batched)"),
+        ("zstd", "cuda", "GPU (batched)"),
+        ("sharded", "cuda", "GPU (batched)"),
+        # without a GPU crc32c kernel, reads on the GPU fall back to zarr-python
+        ("crc32c", "cuda", "GPU (batched)" if crc32c.available() else "host (zarr-python)"),
+        ("blosc", "cuda", "GPU (batched)"),
+        ("big-endian", "cuda", "GPU (batched)"),
+        ("zstd", "cpu", "host (batched)"),
+        ("crc32c", "cpu", "host (batched)"),
+        ("blosc", "cpu", "host (batched)"),
     ],
 )
 def test_decode_route_follows_the_plan(
-    store_factory: Any, codec: str, where: str, capsys: pytest.CaptureFixture[str]
+    store_factory: Any, codec: str, device: str, where: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = store_factory(3, codec)
     plan = plan_chain(zarr.open_array(path / "t2m", mode="r").metadata)
-    assert cli.decode_path(zc.ZstdCodec(), plan) == where
-    assert cli.main(["info", str(path)]) == 0
+    assert cli.decode_path(zc.ZstdCodec(), plan, device) == where
+    assert cli.main(["info", str(path), "--device", device]) == 0
     t2m = sections(capsys.readouterr().out)["/t2m"]
     assert where in t2m
     route = field(t2m, "decode")
@@ -331,6 +436,17 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     names = sorted(p.name for p in profiles.iterdir())
     assert names == ["host-zstd-4MB.gds-zarr.txt", "host-zstd-4MB.zarr.txt"]
     assert "pipeline.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
+
+
+def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) -> None:
+    from xarray_gds import bench
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(2):  # one store a case
+            bench.make_store(tmp_path / f"s{i}.zarr", 1 << 20, 256 << 10)
+    assert [str(w.message) for w in caught] == []
+    assert zarr.open_group(tmp_path / "s0.zarr", mode="r").metadata.consolidated_metadata
 
 
 def test_bench_unknown_case(capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,6 +38,7 @@ EXPECTED_PLAN = {
     (3, "crc32c"): "gpu" if crc32c.available() else "host",
     (3, "big-endian"): "gpu",
     (3, "sharded"): "gpu",
+    (3, "lzma"): "zarr",
     (2, "zstd"): "gpu",
     (2, "lz4"): "gpu",
     (2, "zlib"): "gpu",
@@ -47,6 +48,7 @@ EXPECTED_PLAN = {
     (2, "none"): "gpu",
     (2, "shuffle-zstd"): "gpu",
     (2, "delta-zlib"): "host",  # float32 Delta: CuPy's scan would round differently
+    (2, "bz2"): "zarr",
 }
 
 

@@ -1,4 +1,5 @@
-"""Property tests: random shapes, chunks, shards and selections, both engines compared."""
+"""Property tests: random shapes, chunks, shards and selections, both engines compared,
+on the host and (``gpu`` marker, through the ``device`` fixture) on the GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import xarray as xr
 import zarr.codecs as zc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from xarray_gds import device as _device
 
 pytestmark = pytest.mark.filterwarnings("ignore::xarray.SerializationWarning")
 
@@ -44,13 +47,21 @@ def selections(draw: Any, shape: tuple[int, ...]) -> dict[str, Any]:
     return sel
 
 
+def _assert_same(got: xr.DataArray, want: xr.DataArray, device: str) -> None:
+    """Identical values, and the engine's on ``device`` (int32: numeric, so CuPy there)."""
+    assert _device.is_device_array(got.data) == (device == "cuda"), type(got.data)
+    xr.testing.assert_identical(got.as_numpy(), want)
+
+
 @settings(
     max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data(), layout=layouts(), codec=st.sampled_from(["zstd", "gzip", "none"]))
-def test_random_layouts_and_selections_match_zarr(data: Any, layout: Any, codec: str) -> None:
+def test_random_layouts_and_selections_match_zarr(
+    device: str, data: Any, layout: Any, codec: str
+) -> None:
     shape, chunks, shards = layout
     rng = np.random.default_rng(0)
     values = rng.integers(-1000, 1000, size=shape).astype("i4")
@@ -64,14 +75,14 @@ def test_random_layouts_and_selections_match_zarr(data: Any, layout: Any, codec:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p.zarr"
         xr.Dataset({"v": (dims, values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
-        gds = xr.open_dataset(path, engine="gds-zarr", device="cpu")
+        gds = xr.open_dataset(path, engine="gds-zarr", device=device)
         ref = xr.open_dataset(path, engine="zarr")
         sel = data.draw(selections(shape))
-        xr.testing.assert_identical(gds.v.isel(sel).load(), ref.v.isel(sel).load())
+        _assert_same(gds.v.isel(sel).load(), ref.v.isel(sel).load(), device)
         points = {
             d: xr.DataArray(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)))
             for d, n in zip(dims, shape, strict=True)
         }
         size = min(len(p) for p in points.values())
         points = {d: p[:size] for d, p in points.items()}
-        xr.testing.assert_identical(gds.v.isel(points).load(), ref.v.isel(points).load())
+        _assert_same(gds.v.isel(points).load(), ref.v.isel(points).load(), device)

@@ -3,7 +3,8 @@
 ``xarray-gds demo`` writes a synthetic weather-like Zarr store, reads it back with
 ``engine="gds-zarr"`` and ``engine="zarr"``, and shows where each variable landed and
 that both engines agree. ``xarray-gds info PATH`` lists the arrays of a store with their
-chunking, codec chain, where each codec decodes and where the engine places the data.
+chunking, codec chain, where each codec decodes and where the engine places the data,
+for reads on the device this machine would use (``--device`` picks another).
 ``xarray-gds bench`` times open + load against ``engine="zarr"`` (see
 :mod:`xarray_gds.bench`).
 
@@ -13,6 +14,8 @@ Like the rest of the package, importing this module loads no CUDA library.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import sys
 import tempfile
@@ -40,6 +43,7 @@ from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, 
 __all__ = ["HOST_DECODE", "codec_name", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
 
 PROG = "xarray-gds"
+_EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell reports for `yes | head`
 
 # --------------------------------------------------------------------------------------
 # Codec decode paths
@@ -51,7 +55,7 @@ GPU_DECODE = "GPU (batched)"
 HOST_BATCHED = "host (batched)"
 
 
-def decode_path(codec: Any, plan: Any = None) -> str:
+def decode_path(codec: Any, plan: Any = None, device: _device.Device = "cuda") -> str:
     """Where ``engine="gds-zarr"`` decodes ``codec`` of an array decoded by ``plan``.
 
     Parameters
@@ -60,18 +64,23 @@ def decode_path(codec: Any, plan: Any = None) -> str:
         A codec from an array's codec chain (Zarr v3) or its filters/compressor (v2).
     plan : DecodeChain, ShardChain, Unsupported or None
         The array's plan from :func:`xarray_gds.codecs.plan_chain`.
+    device : {"cuda", "cpu"}
+        The device the engine reads with.
 
     Returns
     -------
     str
-        ``"GPU (batched)"`` when GPU reads decode the array with the batched pipeline
-        (nvCOMP, CuPy filters), ``"host (batched)"`` when only host reads do (GPU
-        reads then fall back to zarr-python, with a warning), else
-        ``"host (zarr-python)"``.
+        ``"GPU (batched)"`` when reads on ``device="cuda"`` decode the array with the
+        batched pipeline (nvCOMP, CuPy filters); ``"host (batched)"`` when reads on
+        ``device="cpu"`` do (threaded numcodecs); else ``"host (zarr-python)"``: the
+        plan is not batched, or it is but has no GPU decoder and the read is on
+        ``"cuda"`` (such reads fall back to zarr-python, with a warning).
     """
     if not isinstance(plan, DecodeChain | ShardChain):
         return HOST_DECODE
-    return GPU_DECODE if plan.device_ready else HOST_BATCHED
+    if device == "cpu":
+        return HOST_BATCHED
+    return GPU_DECODE if plan.device_ready else HOST_DECODE
 
 
 # --------------------------------------------------------------------------------------
@@ -305,11 +314,19 @@ def _store_size(path: Path) -> tuple[int, int]:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    engine_device = None if args.device == "auto" else args.device
     gpu_ok, gpu_reason = _device.cuda_status()
-    if engine_device == "cuda" and not gpu_ok:
+    if args.device == "cuda" and not gpu_ok:
         _error("demo", f"--device cuda was asked for but {gpu_reason}. Try --device auto or cpu.")
         return 1
+    # The CLI resolves --device auto itself, so that its users read about --device cpu
+    # rather than the engine's own warning about device='cpu'.
+    engine_device: _device.Device = "cuda" if gpu_ok and args.device != "cpu" else "cpu"
+    if args.device == "auto" and not gpu_ok:
+        print(
+            f"{PROG} demo: warning: no usable GPU ({gpu_reason}); reading on the host with "
+            "numpy instead. Pass --device cpu to silence this warning.",
+            file=sys.stderr,
+        )
     nt, ny, nx = DEMO_SIZES[args.size]
     print(
         f"{PROG} demo: synthetic hourly weather, {nt} x {ny} x {nx} (time x lat x lon), "
@@ -340,7 +357,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
         if any(_device.is_device_array(v.data) for v in gds.variables.values()):
             used = f"cuda ({_gpu_name()})"
-        elif engine_device == "cpu":
+        elif args.device == "cpu":
             used = "cpu (host, numpy: --device cpu)"
         else:
             used = f"cpu (host, numpy: no usable GPU: {gpu_reason.split('; ')[0]})"
@@ -361,10 +378,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(_table(("variable", "kind", "dims", "shape", "dtype", "placement"), rows))
         print()
         times = [
-            ("gds-zarr", f"{gds_s:.3f}", f"device={engine_device!r}, {used.split(' ')[0]}"),
+            ("gds-zarr", f"{gds_s:.3f}", f"read on {engine_device}"),
             ("zarr", f"{ref_s:.3f}", "xarray's engine, numpy"),
         ]
         print(_table(("engine", "open + load [s]", "notes"), times))
+        print(
+            "  (one cold run each, on a small store: not a benchmark. "
+            f"`{PROG} bench` times repeated runs on stores of GBs.)"
+        )
         print()
         try:
             xr.testing.assert_identical(gds.as_numpy(), ref)
@@ -393,7 +414,7 @@ def _demo_write(gds: xr.Dataset, ref: xr.Dataset, parent: Path, zarr_format: int
     ref.to_zarr(theirs, mode="w", zarr_format=zarr_format, consolidated=False)
     got = xr.open_dataset(ours, engine="zarr", consolidated=False).load()
     want = xr.open_dataset(theirs, engine="zarr", consolidated=False).load()
-    print(f"written:    {ours} by xarray_gds.to_zarr in {seconds:.3f} s")
+    print(f"written:    {ours} by xarray_gds.to_zarr in {seconds:.3f} s (one run)")
     try:
         xr.testing.assert_identical(got, want)
     except AssertionError as err:
@@ -435,10 +456,23 @@ def _dimension_names(array: Any) -> tuple[str, ...] | None:
     return tuple(str(n) for n in names)
 
 
+def _cf_attrs(array: Any) -> dict[str, Any]:
+    """The array's attributes as xarray decodes them: without ``_ARRAY_DIMENSIONS`` and,
+    in Zarr v3, with ``_FillValue`` decoded (xarray stores float fill values there as
+    base64 of the little-endian float64)."""
+    attrs = {k: v for k, v in array.attrs.asdict().items() if k != "_ARRAY_DIMENSIONS"}
+    if array.metadata.zarr_format == 3 and "_FillValue" in attrs:
+        from xarray.backends.zarr import FillValueCoder
+
+        with contextlib.suppress(Exception):  # show what is stored when it cannot
+            attrs["_FillValue"] = FillValueCoder.decode(attrs["_FillValue"], array.dtype)
+    return attrs
+
+
 def _decoded_dtype(name: str, dims: tuple[str, ...], array: Any) -> np.dtype[Any]:
     """The dtype xarray's CF decoding gives (times become datetime64), from metadata only."""
     dtype = np.dtype(array.dtype)
-    attrs = {k: v for k, v in array.attrs.asdict().items() if k != "_ARRAY_DIMENSIONS"}
+    attrs = _cf_attrs(array)
     sample = xr.Variable(dims, np.zeros((1,) * len(dims), dtype=dtype), attrs)
     try:
         with warnings.catch_warnings():
@@ -448,19 +482,29 @@ def _decoded_dtype(name: str, dims: tuple[str, ...], array: Any) -> np.dtype[Any
         return dtype
 
 
-def _engine_placement(array: Any) -> str:
-    """Where ``engine="gds-zarr"`` puts this array's values, with the reason."""
+def _on_device(array: Any) -> bool | None:
+    """Whether ``engine="gds-zarr"`` reading on a GPU puts this array's values there
+    (``None``: xarray cannot read the array)."""
     name = array.basename
     dims = _dimension_names(array)
     if dims is None:
-        return "not readable by xarray (no dimension names)"
+        return None
     dtype = _decoded_dtype(name, dims, array)
-    variable = xr.Variable(dims, np.empty((0,) * len(dims), dtype=dtype))
-    if placement(name, variable) == "cuda":
-        return "device (CuPy when the engine runs on cuda)"
+    return placement(name, xr.Variable(dims, np.empty((0,) * len(dims), dtype=dtype))) == "cuda"
+
+
+def _engine_placement(array: Any, device: _device.Device) -> str:
+    """Where ``engine="gds-zarr"`` on ``device`` puts this array's values, and why."""
+    name = array.basename
+    dims = _dimension_names(array)
+    on_device = _on_device(array)
+    if dims is None or on_device is None:
+        return "not readable by xarray (no dimension names)"
+    if on_device:
+        return "GPU (CuPy)" if device == "cuda" else "host (numpy: the run is on cpu)"
     if dims == (name,):
-        return "host (index coordinate)"
-    return f"host ({dtype} after CF decoding)"
+        return "host (numpy: index coordinate)"
+    return f"host (numpy: {_decoded_dtype(name, dims, array)} after CF decoding)"
 
 
 def _codec_config(codec: Any) -> dict[str, Any]:
@@ -493,60 +537,74 @@ def _v3_role(codec: Any) -> str:
 
 
 def _v3_rows(
-    codecs: Iterable[Any], plan: Any, prefix: str = "", depth: int = 0
+    codecs: Iterable[Any], plan: Any, device: _device.Device, prefix: str = "", depth: int = 0
 ) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     pad = "  " * depth
     for codec in codecs:
-        where = decode_path(codec, plan)
+        where = decode_path(codec, plan, device)
         if prefix == "index " and where != HOST_DECODE:
             where = "host (shard index)"
         rows.append((pad + prefix + _v3_role(codec), _codec_text(codec), where))
         inner = getattr(codec, "codecs", None)
         index = getattr(codec, "index_codecs", None)
         if isinstance(codec, zarr.codecs.ShardingCodec) and inner is not None:
-            rows += _v3_rows(inner, plan, "inner ", depth + 1)
-            rows += _v3_rows(index or (), plan, "index ", depth + 1)
+            rows += _v3_rows(inner, plan, device, "inner ", depth + 1)
+            rows += _v3_rows(index or (), plan, device, "index ", depth + 1)
     return rows
 
 
-def _codec_rows(array: Any) -> list[tuple[str, ...]]:
-    """(role, codec, decode path) in encoding order."""
+def _codec_rows(array: Any, device: _device.Device) -> list[tuple[str, ...]]:
+    """(role, codec, where it decodes on ``device``) in encoding order."""
     metadata = array.metadata
     plan = plan_chain(metadata)
     if metadata.zarr_format == 3:
-        return _v3_rows(metadata.codecs, plan)
+        return _v3_rows(metadata.codecs, plan, device)
     rows: list[tuple[str, ...]] = [
-        ("filter", _codec_text(f), decode_path(f, plan)) for f in (metadata.filters or ())
+        ("filter", _codec_text(f), decode_path(f, plan, device)) for f in (metadata.filters or ())
     ]
     if metadata.compressor is not None:
-        rows.append(
-            ("compressor", _codec_text(metadata.compressor), decode_path(metadata.compressor, plan))
-        )
+        where = decode_path(metadata.compressor, plan, device)
+        rows.append(("compressor", _codec_text(metadata.compressor), where))
     return rows
 
 
-def _route(array: Any) -> str:
-    """One line on how reads of ``array`` are decoded."""
+def _route(array: Any, device: _device.Device) -> str:
+    """One line on how reads of ``array`` on ``device`` are decoded."""
     plan = plan_chain(array.metadata)
+    to_gpu = device == "cuda" and _on_device(array)
     if isinstance(plan, Unsupported):
-        return f"zarr-python on the host ({plan.reason}); GPU reads copy the result over"
+        then = ", then copied to the GPU" if to_gpu else ""
+        return f"zarr-python on the host ({plan.reason}){then}"
+    if device == "cpu":
+        return "batched on the host (numcodecs, threaded)"
     if plan.device_ready:
-        return "batched: nvCOMP on the GPU, threaded numcodecs on the host"
-    return "batched on the host; GPU reads fall back to zarr-python on the host"
+        return "batched: nvCOMP on the GPU"
+    then = ", then copied to the GPU" if to_gpu else ""
+    return f"zarr-python on the host (a codec here has no GPU decoder){then}, with a warning"
 
 
-def _write_route(array: Any) -> str:
-    """One line on how ``xarray_gds.to_zarr`` encodes device values of ``array``."""
+def _write_route(array: Any, device: _device.Device) -> str:
+    """One line on how ``xarray_gds.to_zarr`` encodes the values of ``array`` that a
+    read on ``device`` gave."""
     from xarray_gds.codecs.encode import plan_encode
 
+    if device == "cpu" or not _on_device(array):
+        return "zarr-python on the host (the values are on the host)"
     plan = plan_encode(array.metadata)
     if isinstance(plan, str):
-        return f"zarr-python on the host ({plan}); device values are copied over first"
+        return f"zarr-python on the host ({plan}); the values are copied from the GPU first"
     return "batched: nvCOMP on the GPU"
 
 
-def _describe_array(array: Any) -> str:
+def _attr_text(value: Any) -> str:
+    """An attribute value as Python would write it: ``nan``, ``-32767``, ``'K'``."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value)
+
+
+def _describe_array(array: Any, device: _device.Device) -> str:
     path = "/" + array.path if array.path else "/"
     dims = _dimension_names(array)
     fields = [
@@ -560,15 +618,15 @@ def _describe_array(array: Any) -> str:
     if array.metadata.zarr_format == 2 and array.metadata.order == "F":
         fields.append(("order", "F (column-major chunks)"))
     fields.append(("fill_value", str(array.fill_value)))
-    cf = {k: v for k, v in array.attrs.asdict().items() if k in _CF_DECODING_ATTRS}
+    cf = {k: v for k, v in _cf_attrs(array).items() if k in _CF_DECODING_ATTRS}
     if cf:
-        fields.append(("cf", ", ".join(f"{k}={v!r}" for k, v in cf.items())))
-    fields.append(("placement", _engine_placement(array)))
-    fields.append(("decode", _route(array)))
-    fields.append(("encode", _write_route(array)))
+        fields.append(("cf", ", ".join(f"{k}={_attr_text(v)}" for k, v in cf.items())))
+    fields.append(("placement", _engine_placement(array, device)))
+    fields.append(("decode", _route(array, device)))
+    fields.append(("encode", _write_route(array, device)))
     width = max(len(k) for k, _ in fields)
     lines = [path] + [f"  {k.ljust(width)}  {v}" for k, v in fields]
-    rows = _codec_rows(array)
+    rows = _codec_rows(array, device)
     if rows:
         lines.append(f"  {'codecs'.ljust(width)}  (in encoding order; decoding runs bottom-up)")
         lines.append(_table(("role", "codec", "decodes on"), rows, indent="    "))
@@ -577,16 +635,51 @@ def _describe_array(array: Any) -> str:
     return "\n".join(lines)
 
 
+def _group_paths(store: Any) -> list[str]:
+    """Paths of the groups in ``store``, root first (empty when it has no root group)."""
+    try:
+        root = zarr.open_group(store=store, mode="r")
+    except Exception:
+        return []
+    groups = (p for p, n in root.members(max_depth=None) if isinstance(n, zarr.Group))
+    return ["/", *sorted("/" + p for p in groups)]
+
+
+def _info_device(asked: str) -> tuple[_device.Device, str]:
+    """The device ``info`` describes reads on, and a line that says why."""
+    if asked == "cpu":
+        return "cpu", "cpu (--device cpu)"
+    ok, reason = _device.cuda_status()
+    reason = reason.split("; ")[0]  # without the install hint
+    if asked == "cuda":
+        return "cuda", "cuda (--device cuda)" + ("" if ok else f"; no usable GPU here: {reason}")
+    if ok:
+        return "cuda", f"cuda ({_gpu_name()})"
+    return "cpu", f"cpu (no usable GPU: {reason}); --device cuda shows a GPU run's routes"
+
+
 def _run_info(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.path)
+    except (OSError, ValueError, KeyError) as err:
+        _error("info", err)  # names the path and says what is wrong
+        return 2
+    try:
         node = zarr.open(store=store, mode="r", path=args.group or "")
     except (OSError, ValueError, KeyError) as err:
-        if str(args.path) in str(err):  # our own and zarr's messages name the path
+        groups = _group_paths(store) if args.group else []
+        if groups and args.group.strip("/") not in (g.strip("/") for g in groups):
+            _error(
+                "info",
+                f"group {args.group!r} not found in Zarr store {store}; the groups in it "
+                "are: " + ", ".join(repr(g) for g in groups),
+            )
+        elif str(args.path) in str(err):  # zarr's messages name the path
             _error("info", err)
         else:
             _error("info", f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
         return 2
+    device, device_line = _info_device(args.device)
     if isinstance(node, zarr.Group):
         arrays = sorted(
             (a for _, a in node.members(max_depth=None) if isinstance(a, zarr.Array)),
@@ -602,9 +695,11 @@ def _run_info(args: argparse.Namespace) -> int:
     print(f"node:         /{node.path} ({kind})")
     if isinstance(node, zarr.Group):
         print(f"consolidated: {'yes' if node.metadata.consolidated_metadata else 'no'}")
+    print(f"device:       {device_line}")
+    print("              (placement, decode and encode below are for reads on this device)")
     for array in arrays:
         print()
-        print(_describe_array(array))
+        print(_describe_array(array, device))
     return 0
 
 
@@ -662,7 +757,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Write a synthetic weather-like Zarr store (zstd, chunked), read it with "
             "engine='gds-zarr' and engine='zarr', show where each variable landed and "
-            "the time each engine took, and check that both agree."
+            "the time each engine took (one run each: `xarray-gds bench` measures), and "
+            "check that both agree."
         ),
     )
     demo.add_argument(
@@ -689,6 +785,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     info.add_argument("path", help="a local Zarr store (directory)")
     info.add_argument("--group", help="only this group (path inside the store)")
+    info.add_argument(
+        "--device",
+        choices=("cuda", "cpu", "auto"),
+        default="auto",
+        help="describe reads on this device; auto: the GPU when one is usable, as the "
+        "engine's default",
+    )
     info.set_defaults(run=_run_info)
 
     bench = commands.add_parser(
@@ -746,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     -------
     int
         The exit status: 0 on success, 1 when a command failed, 2 for usage errors and
-        stores that cannot be opened.
+        stores that cannot be opened, 141 (as for a process killed by SIGPIPE) when the
+        reader of the output went away before it was all written.
     """
     parser = _parser()
     try:
@@ -758,7 +862,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # the reader went away (`xarray-gds info STORE | head`): stop quietly. Point
+        # stdout at /dev/null so that the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
