@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from xarray_gds import GdsStore, coalesce, pipeline
+from xarray_gds import GdsStore, coalesce, decode
 from xarray_gds import device as _device
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.pipeline import use_gds_pipeline
@@ -52,13 +52,13 @@ def _hold_first_read(monkeypatch: pytest.MonkeyPatch, others: int) -> list[int]:
 
 def _decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = pipeline.decode_fetched
+    real = decode.decode_fetched
 
     def spy(chain: Any, fetched: Any, keys: Any, on_device: bool) -> Any:
         calls.append(len(keys))
         return real(chain, fetched, keys, on_device)
 
-    monkeypatch.setattr(pipeline, "decode_fetched", spy)
+    monkeypatch.setattr(decode, "decode_fetched", spy)
     return calls
 
 
@@ -333,7 +333,7 @@ def test_a_failure_before_reading_leaves_no_trace(
     """An error while a group is formed (the memory query, say) raises in that read,
     and the next read works."""
     array = _open(v3_store)
-    real = pipeline._budget
+    real = decode.budget
     calls: list[bool] = []
 
     def flaky(on_device: bool) -> int:
@@ -342,7 +342,7 @@ def test_a_failure_before_reading_leaves_no_trace(
             raise RuntimeError("simulated CUDA error")
         return real(on_device)
 
-    monkeypatch.setattr(pipeline, "_budget", flaky)
+    monkeypatch.setattr(decode, "budget", flaky)
     with pytest.raises(RuntimeError, match=r"^simulated CUDA error$"):
         read_box(array, ALL, "cpu")
     assert coalesce._waiting == []

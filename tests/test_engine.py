@@ -366,7 +366,7 @@ def test_large_read_in_parts_matches_zarr(
     row = chunk * -(-gds.t2m.shape[1] // gds.t2m.encoding["chunks"][1])
     row *= -(-gds.t2m.shape[2] // gds.t2m.encoding["chunks"][2])
     with zarr.config.set({"xarray_gds.batch_bytes": row, "xarray_gds.fuse_dask": False}):
-        monkeypatch.setattr("xarray_gds.pipeline._MIN_PART_BYTES", 1)
+        monkeypatch.setattr("xarray_gds.decode.MIN_PART_BYTES", 1)
         got = gds.t2m.load()
     xr.testing.assert_identical(to_numpy(got), ref.t2m.load())
     assert max(parts) > 2  # a row of chunks a part, served one after the other

@@ -15,11 +15,10 @@ import xarray as xr
 import zarr
 
 import xarray_gds.array
-from xarray_gds import pipeline
+from xarray_gds import coalesce, decode, pipeline
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, crc32c, plan_chain
 from xarray_gds.codecs.filters import Undelta, Unshuffle
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.store import GdsStore
 
 from .conftest import STORE_CASES, to_numpy
 
@@ -81,7 +80,7 @@ def test_integer_delta_is_device_ready(store_factory: Callable) -> None:
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Sizes of the batched reads of t2m's chunks."""
     calls: list[int] = []
-    real = pipeline.decode_fetched
+    real = decode.decode_fetched
 
     def spy(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         if keys[0].startswith("t2m/"):
@@ -95,7 +94,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(len(part))
         return real_shards(chain, part, *args)
 
-    monkeypatch.setattr(pipeline, "decode_fetched", spy)
+    monkeypatch.setattr(decode, "decode_fetched", spy)
     monkeypatch.setattr(pipeline, "_shards_sync", spy_shards)
     return calls
 
@@ -137,14 +136,14 @@ def test_bounded_batches(monkeypatch: pytest.MonkeyPatch, v3_store: Path, device
     chunk_bytes = 4 * 4 * 5 * 4
     monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", str(2 * chunk_bytes))
     decoded_rows: list[int] = []
-    real = pipeline._decode_host
+    real = decode.decode_host
 
     def spy_host(chain: Any, chunks: list, keys: list) -> Any:
         if keys[0].startswith("t2m/"):
             decoded_rows.append(len(chunks))
         return real(chain, chunks, keys)
 
-    monkeypatch.setattr(pipeline, "_decode_host", spy_host)
+    monkeypatch.setattr(decode, "decode_host", spy_host)
     if device == "cuda":
         from xarray_gds.codecs import nvcomp
 
@@ -369,16 +368,16 @@ def test_large_reads_overlap_fetch_and_decode(
 
     if route == "zarr":
         monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
-    monkeypatch.setattr(pipeline, "_MIN_PART_BYTES", 1)
+    monkeypatch.setattr(decode, "MIN_PART_BYTES", 1)
     monkeypatch.setenv("XARRAY_GDS_PIPELINE_PARTS", "3")
     fetch_started: list[threading.Event] = [threading.Event() for _ in range(3)]
     parts: list[int] = []
-    real_fetch, real_decode = GdsStore.read_chunks, pipeline.decode_fetched
+    real_read, real_decode = coalesce._read, decode.decode_fetched
 
-    def spy_fetch(store: GdsStore, keys: list, device: str, slot: Any = None) -> Any:
-        if keys[0].startswith("t2m/"):
+    def spy_read(group: list) -> Any:
+        if group[0].keys[0].startswith("t2m/"):
             fetch_started[sum(e.is_set() for e in fetch_started)].set()
-        return real_fetch(store, keys, device, slot)
+        return real_read(group)
 
     def spy_decode(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         if keys[0].startswith("t2m/"):
@@ -389,8 +388,8 @@ def test_large_reads_overlap_fetch_and_decode(
                 assert fetch_started[k + 1].wait(timeout=30)
         return real_decode(chain, fetched, keys, *args)
 
-    monkeypatch.setattr(GdsStore, "read_chunks", spy_fetch)
-    monkeypatch.setattr(pipeline, "decode_fetched", spy_decode)
+    monkeypatch.setattr(coalesce, "_read", spy_read)
+    monkeypatch.setattr(decode, "decode_fetched", spy_decode)
     got = xr.open_dataset(v3_store, engine="gds-zarr", device=device).t2m.load()
     assert parts == [9, 9, 9]
     xr.testing.assert_identical(got.as_numpy(), xr.open_dataset(v3_store, engine="zarr").t2m)

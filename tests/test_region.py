@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zarr
 
-from xarray_gds import GdsStore, pipeline
+from xarray_gds import GdsStore, decode
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.errors import ChunkDecodeError
@@ -106,13 +106,13 @@ def test_parts_are_bounded(monkeypatch: pytest.MonkeyPatch, v3_store: Path, devi
     """A box larger than the batch budget reads in parts of whole rows of chunks; when
     a single row does not fit, zarr's path (which splits finer) takes the read."""
     decoded: list[int] = []
-    real = pipeline.decode_fetched
+    real = decode.decode_fetched
 
     def spy(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
         decoded.append(len(keys))
         return real(chain, fetched, keys, *args)
 
-    monkeypatch.setattr(pipeline, "decode_fetched", spy)
+    monkeypatch.setattr(decode, "decode_fetched", spy)
     array = _open(v3_store)
     chunk = array.async_array.codec_pipeline.chain.nbytes  # decoded bytes of a chunk
     key = (slice(None), slice(None), slice(None))
