@@ -435,7 +435,7 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     # one profile per contender, showing the engine's own read path
     names = sorted(p.name for p in profiles.iterdir())
     assert names == ["host-zstd-4MB.gds-zarr.txt", "host-zstd-4MB.zarr.txt"]
-    assert "pipeline.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
+    assert "decode.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
 
 
 def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ class _Request:
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
     source: Any = None  #: where ``paths`` are read from (None: local files)
+    series: object = None  #: the parts of one read share it: never in one group
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
     result: tuple[list[int], Any] | None = None
@@ -168,30 +169,42 @@ def fetch_decode_parts(
         consume(0, fetch_decode(*items[0]))
         return
     requests = [_request(*item) for item in items]
+    series = object()
+    for request in requests:
+        request.series = series
     with _cond:
         _waiting.extend(requests)
     progress = threading.Condition()
     consumed = 0  # parts handed to ``consume``
     stop = False
 
-    def ahead() -> None:
-        for k, request in enumerate(requests):
-            with progress:  # part k while part k - 1 is consumed, not further ahead
+    def serve(first: int) -> None:
+        """Serve parts ``first``, ``first + 2``, ...: with two servers, part k + 1 is
+        read while part k decodes; part k waits until part k - 2 is consumed."""
+        for k in range(first, len(requests), 2):
+            with progress:
                 while k > consumed + 1 and not stop:
                     progress.wait()
                 if stop:
                     return
-            while not request.done:
-                _lead_or_wait(request)
+            try:
+                while not requests[k].done:
+                    _lead_or_wait(requests[k])
+            except BaseException as err:  # handed to the consumer, which raises it
+                if not requests[k].done:
+                    requests[k].error = err
+            with progress:
+                progress.notify_all()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="xarray-gds-part") as pool:
-        helper = pool.submit(ahead)
+    with ThreadPoolExecutor(2, thread_name_prefix="xarray-gds-part") as pool:
+        servers = [pool.submit(serve, i) for i in range(2)]
         try:
             for k, request in enumerate(requests):
-                while not request.done:
-                    _lead_or_wait(request)
-                if request.error is not None:
-                    raise request.error
+                with progress:
+                    while not request.done:
+                        progress.wait(0.1)
+                    if request.error is not None:
+                        raise request.error
                 assert request.result is not None
                 result, request.result = request.result, _CONSUMED
                 consume(k, result)
@@ -208,7 +221,8 @@ def fetch_decode_parts(
                     if not request.taken and request in _waiting:
                         _waiting.remove(request)
             raise
-    helper.result()
+    for server in servers:
+        server.result()
 
 
 #: what a consumed part's request keeps (its chunks are released)
@@ -268,11 +282,15 @@ def _take() -> list[_Request]:
     group: list[_Request] = []
     rest: list[_Request] = []
     total = 0
+    series: set[int] = set()  # a read's parts go one a group (fetch_decode_parts)
     for r in _waiting:
         same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
-        if same_side and (not group or total + r.nbytes <= budget):
+        fits = not group or total + r.nbytes <= budget
+        if same_side and fits and (r.series is None or id(r.series) not in series):
             group.append(r)
             total += r.nbytes
+            if r.series is not None:
+                series.add(id(r.series))
         else:
             rest.append(r)
     for r in group:
