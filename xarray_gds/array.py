@@ -1,8 +1,16 @@
-"""Lazily indexed arrays that read Zarr chunks onto the device (or the host)."""
+"""Lazily indexed arrays that read Zarr chunks onto the device (or the host).
+
+:func:`read_many` is what a computation that needs many pieces of many arrays calls
+(the joined dask blocks of :mod:`xarray_gds.fuse`, ``load_async`` gathers): the pieces
+of one array that tile a box are read as that box (one batch, sliced afterwards), and
+the boxes of all arrays are read and decoded together
+(:func:`xarray_gds.region.read_boxes`, through the engine of :mod:`xarray_gds.coalesce`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import weakref
 from typing import Any
 
@@ -15,7 +23,7 @@ from xarray_gds.cf import CFPlan
 from xarray_gds.region import is_box_key, read_box
 from xarray_gds.region import read_boxes as _region_read_boxes
 
-__all__ = ["GdsBackendArray", "HostDecodedArray", "read_boxes"]
+__all__ = ["GdsBackendArray", "HostDecodedArray", "read_boxes", "read_many"]
 
 
 class GdsBackendArray(BackendArray):
@@ -72,7 +80,7 @@ class GdsBackendArray(BackendArray):
     async def async_getitem(self, key: indexing.ExplicitIndexer) -> Any:
         """``self[key]``, joined with the other reads awaited in the same step of the
         event loop (``Dataset.load_async`` gathers every variable's): one batch for
-        all of them, read in a worker thread (see :func:`xarray_gds.engine.read_many`)."""
+        all of them, read in a worker thread (see :func:`read_many`)."""
         return await _batcher().submit(self, key)
 
     # Each reader returns raw values on the device; _finish decodes them. Boxes of
@@ -140,6 +148,94 @@ def read_boxes(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any
     return out
 
 
+def _box_key(key: Any, shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+    """The key as a tuple of integers and normalised slices of step 1, or None."""
+    if not isinstance(key, indexing.BasicIndexer | indexing.OuterIndexer):
+        return None
+    out: list[Any] = []
+    for k, size in zip(key.tuple, shape, strict=True):
+        if not is_box_key(k):
+            return None
+        if isinstance(k, slice):
+            a, b, step = k.indices(size)
+            if step != 1 or b <= a:
+                return None
+            out.append(slice(a, b))
+        else:
+            out.append(int(k) + (size if k < 0 else 0))
+    return tuple(out)
+
+
+def _union(keys: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    """The box the keys tile exactly (same integers, slices that cover it once), or None."""
+    union: list[Any] = []
+    for axis in zip(*keys, strict=True):
+        if all(isinstance(k, int) for k in axis):
+            if len(set(axis)) != 1:
+                return None
+            union.append(axis[0])
+        elif all(isinstance(k, slice) for k in axis):
+            union.append(slice(min(k.start for k in axis), max(k.stop for k in axis)))
+        else:
+            return None
+
+    def size(key: tuple[Any, ...]) -> int:
+        return math.prod(k.stop - k.start for k in key if isinstance(k, slice))
+
+    if sum(size(k) for k in keys) != size(tuple(union)):
+        return None  # not a tiling (dask's blocks never overlap, so a gap)
+    return tuple(union)
+
+
+def _local(key: tuple[Any, ...], union: tuple[Any, ...]) -> tuple[slice, ...]:
+    """Where the piece ``key`` lies in the values of ``union`` (integer axes dropped)."""
+    return tuple(
+        slice(k.start - u.start, k.stop - u.start)
+        for k, u in zip(key, union, strict=True)
+        if isinstance(k, slice)
+    )
+
+
+def read_many(requests: list[tuple[Any, indexing.ExplicitIndexer]]) -> list[Any]:
+    """``array[key]`` for every ``(array, key)`` of xarray-gds backend arrays, read
+    together; an entry whose read failed holds the exception instead of raising."""
+    out: list[Any] = [None] * len(requests)
+    by_array: dict[int, list[int]] = {}
+    for i, (array, _) in enumerate(requests):
+        by_array.setdefault(id(array), []).append(i)
+    boxes: list[tuple[GdsBackendArray, tuple[Any, ...], list[tuple[int, Any]]]] = []
+    alone: list[int] = []
+    for members in by_array.values():
+        array = requests[members[0]][0]
+        keys = [_box_key(requests[i][1], array.shape) for i in members]
+        if not isinstance(array, GdsBackendArray) or any(k is None for k in keys):
+            alone.extend(members)
+            continue
+        box_keys: list[tuple[Any, ...]] = [k for k in keys if k is not None]
+        union = _union(box_keys) if len(box_keys) > 1 else None
+        if union is not None:
+            boxes.append(
+                (
+                    array,
+                    union,
+                    [(i, _local(k, union)) for i, k in zip(members, box_keys, strict=True)],
+                )
+            )
+        else:
+            boxes.extend((array, k, [(i, None)]) for i, k in zip(members, box_keys, strict=True))
+    values = read_boxes([(array, key) for array, key, _ in boxes])
+    for (_, _, pieces), value in zip(boxes, values, strict=True):
+        for i, local in pieces:
+            out[i] = value if local is None or isinstance(value, BaseException) else value[local]
+    for i in alone:
+        array, key = requests[i]
+        try:
+            out[i] = array[key]
+        except Exception as err:
+            out[i] = err
+    return out
+
+
 class _Batcher:
     """The reads awaited in one step of an event loop, served as one (see async_getitem)."""
 
@@ -161,8 +257,6 @@ class _Batcher:
         task.add_done_callback(_tasks.discard)
 
     async def _serve(self, batch: list[tuple[Any, Any, asyncio.Future[Any]]]) -> None:
-        from xarray_gds.engine import read_many
-
         try:
             values = await asyncio.to_thread(read_many, [(a, k) for a, k, _ in batch])
         except BaseException as err:

@@ -223,11 +223,11 @@ def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hasha
 
 
 def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tuple[Any, ...]:
-    """Every block of a group, read in one joined batch (:func:`xarray_gds.engine.read_many`);
+    """Every block of a group, read in one joined batch (:func:`xarray_gds.array.read_many`);
     a block whose chunks failed holds its exception, which :func:`_pick` raises."""
     from xarray.namedarray.pycompat import to_numpy
 
-    from xarray_gds import engine
+    from xarray_gds.array import read_many
     from xarray_gds.chunks import DeviceBlocks
 
     wanted = []
@@ -238,7 +238,7 @@ def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tup
         while not hasattr(lazy, "key"):
             lazy = lazy.array
         wanted.append((lazy.array, lazy.key))
-    values = engine.read_many(wanted)
+    values = read_many(wanted)
     out = []
     for (s, _), value in zip(plan, values, strict=True):
         if not isinstance(sources[s], DeviceBlocks) and not isinstance(value, BaseException):
