@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if REQUIRE_GPU:
         pytest.fail(f"XARRAY_GDS_REQUIRE_GPU=1 but no GPU is usable: {reason}")
     pytest.skip(f"needs a GPU: {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _nvcomp_route(request: pytest.FixtureRequest) -> Iterator[None]:
+    """GPU tests decode with nvCOMP: the small stores of the suite would otherwise take
+    the host route (xarray_gds.route), and the nvCOMP paths would go untested. Tests of
+    the route set their own; ``XARRAY_GDS_ROUTE`` set in the environment wins."""
+    if request.node.get_closest_marker("gpu") is None or os.environ.get("XARRAY_GDS_ROUTE"):
+        yield
+        return
+    with zarr.config.set({"xarray_gds.route": "gpu"}):
+        yield
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

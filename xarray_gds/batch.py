@@ -64,12 +64,14 @@ def pool_threads() -> int:
     return int(_pool()._max_workers)
 
 
-def parallel(fn: Any, n: int, workers: int | None = None) -> None:
+def parallel(fn: Any, n: int, workers: int | None = None, min_items: int = 4) -> None:
     """Run ``fn(i)`` for ``i`` in ``range(n)`` on the pool, in a few contiguous blocks
     per worker (one future per block, not per item: per-item futures cost more than
     decoding a small chunk). ``workers`` caps the threads used (all the pool's by
-    default); with one, or fewer than 4 items, everything runs in the calling thread."""
-    if n < 4 or workers == 1:
+    default); with one, or fewer than ``min_items`` items (4: small work items; 2 for
+    items of milliseconds, such as decoding a large chunk), everything runs in the
+    calling thread."""
+    if n < max(2, min_items) or workers == 1:
         for i in range(n):
             fn(i)
         return

@@ -283,7 +283,7 @@ class _Reader:
                     src.append(slice(first - origin, last - origin))
                 out[tuple(dst)] = chunks[k][tuple(src)]
 
-            host.parallel(one, n_keys)
+            host.parallel(one, n_keys, min_items=2 if chain.nbytes >= 256 << 10 else 4)
         elif n_rows == 1:
             rows(0, n_rows)
         else:  # numpy copies run without the GIL: one row of chunks a task

@@ -14,8 +14,8 @@ faster one:
   then one copy of the decoded bytes to the device.
 
 The rates are per compressor and in decoded bytes a second. The defaults were measured
-on an H200 host; ``xarray-gds calibrate`` measures them on the machine at hand and
-prints them in the form the ``xarray_gds.route_constants`` setting takes (a mapping,
+on the H200 host by ``xarray-gds calibrate``, which measures them on the machine at
+hand and prints them in the form the ``xarray_gds.route_constants`` setting takes (a mapping,
 or its JSON text in ``XARRAY_GDS_ROUTE_CONSTANTS``). ``xarray_gds.route`` forces a
 route: ``"gpu"``, ``"host"``, or ``"auto"`` (the default). Values are identical on
 either route: both decode the same streams and place the same chunks, and the result
@@ -47,17 +47,18 @@ class Rates:
 class Costs:
     """The cost model's constants (see the module docstring)."""
 
-    gpu_call: float = 2.0e-3  #: seconds of one nvCOMP batch call, reads to the arena included
+    gpu_call: float = 2.1e-3  #: seconds of one nvCOMP batch call (of one tiny chunk)
     host_call: float = 1.0e-4  #: seconds of one host batch, pool hand-off included
-    h2d: float = 10.0e9  #: bytes a second of the copy of decoded chunks to the device
+    h2d: float = 6.0e9  #: bytes a second of the copy of decoded chunks to the device
     threads: int = 0  #: host decode threads (0: the shared pool's size)
     rates: tuple[tuple[str, Rates], ...] = (
-        # H200 host, nvCOMP 6 (session 8 probes and the figures of issue 15)
-        ("zstd", Rates(gpu_chunk=110e6, gpu_batch=21e9, host_thread=290e6)),
-        ("lz4", Rates(gpu_chunk=300e6, gpu_batch=20e9, host_thread=1.5e9)),
-        ("zlib", Rates(gpu_chunk=60e6, gpu_batch=8e9, host_thread=250e6)),
-        ("gzip", Rates(gpu_chunk=60e6, gpu_batch=8e9, host_thread=250e6)),
-        ("blosc", Rates(gpu_chunk=150e6, gpu_batch=15e9, host_thread=1.0e9)),
+        # measured on the H200 host (nvCOMP 6, numcodecs 0.16, 4 MiB chunks of
+        # weather-like float32) by `xarray-gds calibrate`, 3 December 2026
+        ("zstd", Rates(gpu_chunk=265e6, gpu_batch=80e9, host_thread=575e6)),
+        ("lz4", Rates(gpu_chunk=16.8e6, gpu_batch=6.5e9, host_thread=2.29e9)),
+        ("zlib", Rates(gpu_chunk=7.3e6, gpu_batch=65e9, host_thread=147e6)),
+        ("gzip", Rates(gpu_chunk=14.4e6, gpu_batch=3.6e9, host_thread=122e6)),
+        ("blosc", Rates(gpu_chunk=270e6, gpu_batch=42.8e9, host_thread=1.83e9)),
     )
 
     def rate(self, compressor: str) -> Rates | None:

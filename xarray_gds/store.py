@@ -100,7 +100,7 @@ def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
             finally:
                 os.close(fd)
 
-    parallel(one, len(paths))
+    parallel(one, len(paths), min_items=2)  # a chunk file is usually worth a thread
     return out
 
 

@@ -75,8 +75,13 @@ def decompress(
             )
         out[i] = decoded
 
-    parallel(one, len(chunks))
+    # a large chunk takes milliseconds to decode: two of them already pay for the pool
+    parallel(one, len(chunks), min_items=2 if nbytes >= _LARGE_CHUNK else 4)
     return out
+
+
+#: Decoded size from which two chunks are decoded on two threads.
+_LARGE_CHUNK = 256 << 10
 
 
 def stack(chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> np.ndarray:
