@@ -100,3 +100,44 @@ class HostZstd4MB(_Store):
 
 def teardown_cache(path: str) -> None:  # pragma: no cover - asv hook name
     shutil.rmtree(Path(path).parent, ignore_errors=True)
+
+
+class Usage:
+    """The ways users load data (issue 15), each the same call through both engines:
+    the usage-* cases of ``xarray-gds bench`` (see ``bench.CASES``)."""
+
+    params: ClassVar[list[str]] = [
+        "usage-eager-2var",
+        "usage-chunks-2var",
+        "usage-async-2var",
+        "usage-step-1chunk",
+        "usage-step-16chunks",
+        "usage-step-20vars",
+        "usage-sharded-chunks",
+        "usage-blosc-chunks",
+    ]
+    param_names: ClassVar[list[str]] = ["case"]
+
+    def setup_cache(self) -> dict[str, str]:
+        root = Path(tempfile.mkdtemp(prefix="xarray-gds-asv-"))
+        paths = {}
+        for case in self.params:
+            spec = bench.CASES[case]
+            path = root / f"{case}.zarr"
+            bench.make_store(path, int(SIZE * spec["scale"] * 1e9), **spec["store"])
+            paths[case] = str(path)
+        return paths
+
+    def setup(self, paths: dict[str, str], case: str) -> None:
+        if not cuda_status()[0]:
+            raise NotImplementedError("no GPU")
+        warnings.simplefilter("ignore")
+        self.contenders = bench.CASES[case]["contenders"](Path(paths[case]))
+
+    def time_gds_zarr(self, paths: dict[str, str], case: str) -> None:
+        self.contenders["gds-zarr"]()
+        bench._sync()
+
+    def time_zarr(self, paths: dict[str, str], case: str) -> None:
+        self.contenders["zarr"]()
+        bench._sync()
