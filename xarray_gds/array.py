@@ -20,7 +20,7 @@ from xarray.core import indexing
 
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
-from xarray_gds.region import is_box_key, read_box
+from xarray_gds.region import box_bounds, is_box_key, read_box
 from xarray_gds.region import read_boxes as _region_read_boxes
 
 __all__ = ["GdsBackendArray", "HostDecodedArray", "read_boxes", "read_many"]
@@ -152,18 +152,14 @@ def _box_key(key: Any, shape: tuple[int, ...]) -> tuple[Any, ...] | None:
     """The key as a tuple of integers and normalised slices of step 1, or None."""
     if not isinstance(key, indexing.BasicIndexer | indexing.OuterIndexer):
         return None
-    out: list[Any] = []
-    for k, size in zip(key.tuple, shape, strict=True):
-        if not is_box_key(k):
-            return None
-        if isinstance(k, slice):
-            a, b, step = k.indices(size)
-            if step != 1 or b <= a:
-                return None
-            out.append(slice(a, b))
-        else:
-            out.append(int(k) + (size if k < 0 else 0))
-    return tuple(out)
+    bounds = box_bounds(tuple(key.tuple), shape)
+    if bounds is None:
+        return None
+    start, stop, drop = bounds
+    return tuple(
+        a if axis in drop else slice(a, b)
+        for axis, (a, b) in enumerate(zip(start, stop, strict=True))
+    )
 
 
 def _union(keys: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:

@@ -22,7 +22,7 @@ from xarray_gds import coalesce, decode
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
 
-__all__ = ["is_box_key", "read_box", "read_boxes"]
+__all__ = ["box_bounds", "is_box_key", "read_box", "read_boxes"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,12 @@ def is_box_key(k: Any) -> bool:
     return isinstance(k, slice) or (isinstance(k, int | np.integer) and not isinstance(k, bool))
 
 
-def _box(key: tuple[Any, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> _Box | None:
-    """The box ``key`` selects, or None when it is not one (or is empty)."""
+def box_bounds(
+    key: tuple[Any, ...], shape: tuple[int, ...]
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``(start, stop, dropped axes)`` of the box ``key`` selects (integers and slices of
+    step 1), or None when it is not one, is empty or is out of bounds (zarr raises its
+    own IndexError then)."""
     if len(key) != len(shape) or not shape:
         return None
     start, stop, drop = [], [], []
@@ -56,11 +60,20 @@ def _box(key: tuple[Any, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) 
         else:
             a = int(k) + (size if k < 0 else 0)
             if not 0 <= a < size:
-                return None  # zarr raises its own IndexError
+                return None
             b = a + 1
             drop.append(axis)
         start.append(a)
         stop.append(b)
+    return start, stop, drop
+
+
+def _box(key: tuple[Any, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> _Box | None:
+    """The box ``key`` selects and the chunks it touches, or None (see box_bounds)."""
+    bounds = box_bounds(key, shape)
+    if bounds is None:
+        return None
+    start, stop, drop = bounds
     lo = tuple(a // c for a, c in zip(start, chunks, strict=True))
     hi = tuple(-(-b // c) for b, c in zip(stop, chunks, strict=True))
     grid = tuple(h - low for h, low in zip(hi, lo, strict=True))
