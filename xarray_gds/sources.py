@@ -87,17 +87,18 @@ class StoreSource:
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
     ) -> Any:
-        import asyncio
-
+        import zarr
         from zarr.core.buffer import cpu
+        from zarr.core.common import concurrent_map
         from zarr.core.sync import sync
 
         async def one(i: int) -> Any:
             got = await sources[i].store.get(locations[i], prototype=cpu.buffer_prototype)
             return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
 
-        async def every() -> list[Any]:
-            return list(await asyncio.gather(*(one(i) for i in range(len(locations)))))
+        async def every() -> list[Any]:  # as many in flight as zarr allows (async.concurrency)
+            limit = zarr.config.get("async.concurrency")
+            return list(await concurrent_map([(i,) for i in range(len(locations))], one, limit))
 
         found: list[np.ndarray | None] = sync(every())
         if not on_device:
