@@ -31,7 +31,7 @@ import numpy as np
 
 from xarray_gds import config
 
-__all__ = ["install", "optimize"]
+__all__ = ["available", "install", "optimize"]
 
 _lock = threading.Lock()
 _warned_host_blocks = False
@@ -64,6 +64,17 @@ def install() -> None:
         if isinstance(current, _Optimizer):
             return
         dask.config.set(array_optimize=_Optimizer(current))
+
+
+def available() -> bool:
+    """Whether this dask has the task-spec graphs the pass rewrites (dask >= 2024.12);
+    with an older one blocks are read one task at a time, joined only when dask's
+    threads ask at the same moment (:mod:`xarray_gds.coalesce`)."""
+    try:
+        import dask._task_spec  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _source(value: Any) -> tuple[Any, bool] | None:
@@ -105,7 +116,7 @@ def _find_sources(dsk: Any) -> dict[Hashable, tuple[Any, bool]]:
 def optimize(dsk: Any, keys: Any) -> Any:
     """The graph with the block reads of xarray-gds arrays joined into groups (see the
     module docstring); ``dsk`` unchanged when it reads none."""
-    if not config.get("fuse_dask"):
+    if not config.get("fuse_dask") or not available():
         return dsk
     sources = _find_sources(dsk)
     if not sources:
