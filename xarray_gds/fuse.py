@@ -99,6 +99,13 @@ def _source(value: Any) -> tuple[Any, bool] | None:
     return None
 
 
+def _lazy(wrapped: Any) -> Any:
+    """xarray's LazilyIndexedArray under its adapter and copy-on-write wrappers."""
+    while not hasattr(wrapped, "key"):
+        wrapped = wrapped.array
+    return wrapped
+
+
 def _find_sources(dsk: Any) -> dict[Hashable, tuple[Any, bool]]:
     from dask.highlevelgraph import HighLevelGraph
 
@@ -215,9 +222,7 @@ def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hasha
         return
     for key in used:
         adapter, device_blocks = sources[key]
-        lazy = adapter.array
-        while not hasattr(lazy, "key"):
-            lazy = lazy.array
+        lazy = _lazy(adapter)
         if not device_blocks and lazy.array.device == "cuda":
             _warned_host_blocks = True
             warnings.warn(
@@ -245,9 +250,7 @@ def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tup
     for s, slices in plan:
         src = sources[s]
         adapter = src._data if isinstance(src, DeviceBlocks) else src
-        lazy = adapter[slices]  # xarray's own key arithmetic; reads nothing
-        while not hasattr(lazy, "key"):
-            lazy = lazy.array
+        lazy = _lazy(adapter[slices])  # xarray's own key arithmetic; reads nothing
         wanted.append((lazy.array, lazy.key))
     values = read_many(wanted)
     out = []
