@@ -132,9 +132,12 @@ def _each_failure(
 
 def _on(writer: str, ds: xr.Dataset, monkeypatch: pytest.MonkeyPatch) -> xr.Dataset:
     """``ds`` as ``writer`` writes it: zarr-python (numpy values), the batched encoder
-    on the host (``XARRAY_GDS_BATCHED_HOST_WRITES=1``), or on the GPU (CuPy values)."""
-    if writer == "batched":
+    on the host (``XARRAY_GDS_BATCHED_HOST_WRITES=1``; with "dask", one dask block per
+    variable, written concurrently as the GPU writes are), or on the GPU (CuPy values)."""
+    if writer in ("batched", "dask"):
         monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    if writer == "dask":  # one dask task per variable, as the GPU writes run: concurrently
+        return ds.chunk({d: -1 for d in ds.dims})
     if writer != "cuda":
         return ds
     import cupy as cp
@@ -168,7 +171,7 @@ def test_failed_append_leaves_dataset(
     xr.testing.assert_identical(_open(path), want)
 
 
-@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("writer", [*WRITERS, "dask"])
 @pytest.mark.parametrize("consolidated", [True, False], ids=["consolidated", "plain"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_failed_new_variables_leave_dataset(

@@ -138,17 +138,54 @@ def test_xarray_to_zarr_writes_cupy_data_on_the_gpu(
         if select == "zarr.config"
         else use_gds_pipeline("gpu")
     )
+    masked = _cf_masked(src) if source != "dask-cupy-blocks" else []
     with context:
-        src.to_zarr(out, mode="w")  # xarray's own to_zarr
+        src.drop_vars(masked).to_zarr(out, mode="w")  # xarray's own to_zarr
     assert gpu_encodes, "no chunk was encoded by nvCOMP"
     # the reference: xarray's own reader and writer, on the host
-    xr.open_dataset(v3_store, engine="zarr").to_zarr(out_ref, mode="w")
+    xr.open_dataset(v3_store, engine="zarr").drop_vars(masked).to_zarr(out_ref, mode="w")
     got = xr.open_dataset(out, engine="zarr").load()
     ref = xr.open_dataset(out_ref, engine="zarr").load()
     xr.testing.assert_identical(got, ref)
     for name in _device_names(ref):
         for key in ("chunks", "compressors", "dtype"):
             assert got[name].encoding.get(key) == ref[name].encoding.get(key), (name, key)
+
+
+#: what xarray's CF masking and packing encoders take from a variable
+_CF_MASK_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset")
+
+
+def _cf_masked(ds: xr.Dataset) -> list[str]:
+    """Variables that xarray's CF encoding masks or packs: on CuPy values (not dask)
+    it fails inside xarray, before any zarr pipeline sees them (xarray passes a numpy
+    scalar to ``cupy.astype``); the user guide sends them to ``xarray_gds.to_zarr``."""
+    return [
+        str(name)
+        for name, var in ds.variables.items()
+        if any(k in var.encoding or k in var.attrs for k in _CF_MASK_KEYS)
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["loaded", "lazy"])
+def test_xarray_to_zarr_of_masked_cupy_values_fails_in_xarray(
+    tmp_path: Path, v3_store: Path, source: str
+) -> None:
+    """xarray's own CF encoder cannot mask or pack CuPy values (the limitation the user
+    guide documents); ``xarray_gds.to_zarr`` writes the same variables."""
+    src = _SOURCES[source](v3_store)
+    masked = _cf_masked(src)
+    assert "u10" in masked  # packed to int16 with a _FillValue
+    with use_gds_pipeline("gpu"), pytest.raises(TypeError, match="while encoding variable"):
+        src[masked].to_zarr(tmp_path / "out.zarr", mode="w")
+    xarray_gds.to_zarr(src[masked], tmp_path / "ok.zarr", mode="w")
+    ref = xr.open_dataset(v3_store, engine="zarr")[masked]
+    ref.to_zarr(tmp_path / "ref.zarr", mode="w")
+    xr.testing.assert_identical(
+        xr.open_dataset(tmp_path / "ok.zarr", engine="zarr").load(),
+        xr.open_dataset(tmp_path / "ref.zarr", engine="zarr").load(),
+    )
 
 
 @pytest.mark.gpu
@@ -159,7 +196,7 @@ def test_xarray_to_zarr_without_the_pipeline_is_refused_by_cupy(
     ``xarray_gds.to_zarr`` or to select the pipeline."""
     src = xr.open_dataset(v3_store, engine="gds-zarr", device="cuda").load()
     with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
-        src.to_zarr(tmp_path / "out.zarr", mode="w")
+        src.drop_vars(_cf_masked(src)).to_zarr(tmp_path / "out.zarr", mode="w")
     xarray_gds.to_zarr(src, tmp_path / "ok.zarr", mode="w")
     # the reference: xarray's own reader and writer, on the host
     xr.open_dataset(v3_store, engine="zarr").to_zarr(tmp_path / "ref.zarr", mode="w")

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import stat
+import threading
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -450,6 +451,18 @@ class _Deferred:
     dropped: tuple[str, ...] | None = None  #: prefixes of new arrays removed on failure
 
 
+@dataclass
+class _Deferrals:
+    """The deferral state a store shares with its copies (see ``GdsStore._deferrals``)."""
+
+    deferred: _Deferred | None = None
+    aborted: _Deferred | None = None
+
+
+#: orders chunk writes' bookkeeping against a failed write's removal of new arrays
+_deferral_lock = threading.Lock()
+
+
 def _read_or_none(path: str) -> bytes | None:
     """The bytes of the file ``path``, or ``None`` when there is none."""
     try:
@@ -603,10 +616,34 @@ class GdsStore(LocalStore):
         )
 
     # -- metadata held back until the data it describes is written ---------------------
-    _deferred: _Deferred | None = None
-    #: the last deferral that failed and removed new arrays: chunk writes of that write
-    #: still running (zarr does not cancel the rest of a failed gather) are removed too
-    _aborted: _Deferred | None = None
+    # Held in one _Deferrals that every store made from this one by ``with_read_only``
+    # shares: zarr writes chunks through such copies, and a copy must see the deferral
+    # (and its failure) of the store it came from.
+
+    @property
+    def _deferrals(self) -> _Deferrals:
+        shared = self.__dict__.get("_shared_deferrals")
+        if shared is None:
+            shared = self.__dict__["_shared_deferrals"] = _Deferrals()
+        return shared
+
+    @property
+    def _deferred(self) -> _Deferred | None:
+        return self._deferrals.deferred
+
+    @_deferred.setter
+    def _deferred(self, value: _Deferred | None) -> None:
+        self._deferrals.deferred = value
+
+    @property
+    def _aborted(self) -> _Deferred | None:
+        """The last deferral that failed: chunk writes of that write still running (zarr
+        does not cancel the rest of a failed gather) are removed too."""
+        return self._deferrals.aborted
+
+    @_aborted.setter
+    def _aborted(self, value: _Deferred | None) -> None:
+        self._deferrals.aborted = value
 
     def defer_metadata(self) -> None:
         """Hold metadata writes in memory until :meth:`flush_metadata`.
@@ -655,6 +692,7 @@ class GdsStore(LocalStore):
         deferred.active = False
         try:
             if deferred.failed:
+                self._aborted = deferred  # writes landing meanwhile are noted (see _writing)
                 before = {k: _read_or_none(os.path.join(self.root, k)) for k in deferred.keys}
                 self._remove_new_arrays(deferred, before)
                 return
@@ -667,6 +705,7 @@ class GdsStore(LocalStore):
                     self._put(key, deferred.keys[key])
             except BaseException as err:
                 deferred.failed = True
+                self._aborted = deferred
                 self._restore(done, before, err)
                 self._remove_new_arrays(deferred, before)
                 raise
@@ -706,12 +745,14 @@ class GdsStore(LocalStore):
             for key, value in deferred.keys.items()
             if before.get(key) is None and _is_array_metadata(key, value)
         )
-        deferred.dropped = prefixes
-        if prefixes:
-            self._aborted = deferred
+        with _deferral_lock:  # a write noted after this is removed by its _written
+            deferred.dropped = prefixes
+            if not prefixes and self._aborted is deferred:
+                self._aborted = None
+            written = list(deferred.written)
         if not prefixes:
             return
-        for key in list(deferred.written):
+        for key in written:
             if key.startswith(prefixes) and not is_metadata_key(key):
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.unlink(os.path.join(self.root, key))
@@ -759,7 +800,7 @@ class GdsStore(LocalStore):
 
     def with_read_only(self, read_only: bool = False) -> Self:
         clone = super().with_read_only(read_only)
-        clone._deferred = self._deferred
+        clone.__dict__["_shared_deferrals"] = self._deferrals
         return clone
 
     # Key validation for the inherited write/list paths.
@@ -776,17 +817,23 @@ class GdsStore(LocalStore):
     def _writing(self, key: str) -> _Deferred | None:
         """Note the chunk ``key`` as written while metadata is held (to remove it if the
         write fails and its array is new); returns the deferral it belongs to."""
-        deferred = self._deferred
-        if deferred is None or not deferred.active:
+        with _deferral_lock:
+            deferred = self._deferred
+            if deferred is not None and deferred.active:
+                deferred.written.append(key)
+                return deferred
             aborted = self._aborted
-            if aborted is not None and aborted.dropped and key.startswith(aborted.dropped):
+            if aborted is None:
+                return None
+            if aborted.dropped is None:  # its failure is still finding the new arrays
+                aborted.written.append(key)
+                return aborted
+            if aborted.dropped and key.startswith(aborted.dropped):
                 if is_metadata_key(key):  # the array is made again: its chunks are wanted
                     self._aborted = None
                     return None
                 return aborted
             return None
-        deferred.written.append(key)  # atomic under the GIL: writer threads share it
-        return deferred
 
     @staticmethod
     def _written(deferred: _Deferred | None, path: str, key: str) -> None:
