@@ -42,7 +42,7 @@ def _hold_first_read(monkeypatch: pytest.MonkeyPatch, others: int) -> list[int]:
         calls.append(sum(len(r.paths) for r in group))
         if len(calls) == 1:
             deadline = time.monotonic() + 20
-            while len(coalesce._waiting) < others and time.monotonic() < deadline:
+            while len(coalesce.engine().waiting) < others and time.monotonic() < deadline:
                 time.sleep(0.001)
         return real(group)
 
@@ -211,14 +211,14 @@ def test_requests_of_one_side_are_served_together(store_factory: Callable) -> No
     chain = array.async_array.codec_pipeline.chain
     sides = [(False, -1), (True, 0), (False, -1), (True, 1)]
     reqs = [coalesce._Request(chain, ["k"], ["p"], *side) for side in sides]
-    with coalesce._cond:
-        coalesce._waiting[:] = reqs
+    with coalesce.engine().cond:
+        coalesce.engine().waiting[:] = reqs
         try:
-            group = coalesce._take()
+            group = coalesce.engine()._take()
             assert group == [reqs[0], reqs[2]]
-            assert coalesce._waiting == [reqs[1], reqs[3]]
+            assert coalesce.engine().waiting == [reqs[1], reqs[3]]
         finally:
-            coalesce._waiting.clear()
+            coalesce.engine().waiting.clear()
 
 
 def test_many_threads_agree_with_zarr(
@@ -244,9 +244,9 @@ def test_many_threads_agree_with_zarr(
 
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(one, jobs))
-    assert coalesce._waiting == []
-    assert coalesce._reader is None
-    assert coalesce._decoders == set()
+    assert coalesce.engine().waiting == []
+    assert coalesce.engine().reader is None
+    assert coalesce.engine().decoders == set()
 
 
 def test_at_most_two_groups_at_once(
@@ -267,7 +267,7 @@ def test_at_most_two_groups_at_once(
 
     class Condition(threading.Condition):
         def wait(self, timeout: float | None = None) -> bool:
-            if len(coalesce._decoders) >= 2:
+            if len(coalesce.engine().decoders) >= 2:
                 third.set()
             return super().wait(timeout)
 
@@ -277,14 +277,14 @@ def test_at_most_two_groups_at_once(
             third.set()
         return real_read(group)
 
-    def decode(group: list[Any], fetched: Any) -> None:
+    def decode(group: list[Any], fetched: Any, staging: Any) -> None:
         decoding.release()
         assert release.wait(20)
-        real_decode(group, fetched)
+        real_decode(group, fetched, staging)
 
     monkeypatch.setattr(coalesce, "_read", read)
     monkeypatch.setattr(coalesce, "_decode_group", decode)
-    monkeypatch.setattr(coalesce, "_cond", Condition())
+    monkeypatch.setattr(coalesce.engine(), "cond", Condition())
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(read_box, arrays[0], ALL, device)]
         assert decoding.acquire(timeout=20)  # the first group decodes...
@@ -323,8 +323,8 @@ def test_an_interrupted_leader_leaves_the_others_to_be_served(
     for values in got:
         if not isinstance(values, KeyboardInterrupt):
             np.testing.assert_array_equal(values, want)
-    assert coalesce._waiting == []
-    assert coalesce._reader is None
+    assert coalesce.engine().waiting == []
+    assert coalesce.engine().reader is None
 
 
 def test_a_failure_before_reading_leaves_no_trace(
@@ -345,6 +345,6 @@ def test_a_failure_before_reading_leaves_no_trace(
     monkeypatch.setattr(decode, "budget", flaky)
     with pytest.raises(RuntimeError, match=r"^simulated CUDA error$"):
         read_box(array, ALL, "cpu")
-    assert coalesce._waiting == []
-    assert coalesce._reader is None
+    assert coalesce.engine().waiting == []
+    assert coalesce.engine().reader is None
     np.testing.assert_array_equal(read_box(array, ALL, "cpu"), _reference(v3_store))

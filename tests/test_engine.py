@@ -19,6 +19,7 @@ import zarr
 import xarray_gds
 from tests.conftest import assert_placed, to_numpy
 from xarray_gds import coalesce, config, fuse, route
+from xarray_gds.batch import PinnedStaging
 from xarray_gds.errors import ChunkDecodeError
 
 #: joined dask groups need dask's task-spec graphs (absent from the oldest dask claimed)
@@ -282,6 +283,54 @@ def test_load_async_error_names_chunk(tmp_path: Path) -> None:
         asyncio.run(load())
 
 
+# -- eager loops over the variables of a dataset (array.ReadAhead) --------------------
+
+
+def _stepped(ds: xr.Dataset) -> list[str]:
+    """The variables a loop over time steps reads with one key: those over all three
+    dimensions."""
+    return [str(n) for n, v in ds.data_vars.items() if v.dims == ("time", "lat", "lon")]
+
+
+def test_loop_over_steps_reads_the_variables_of_a_step_in_one_batch(
+    v3_store: Path, device: str, joined_calls: list[int]
+) -> None:
+    gds, ref = _open(v3_store, device)
+    names = _stepped(ref)
+    assert len(names) >= 2
+    for i in range(4):
+        got = gds[names].isel(time=i).load()
+        xr.testing.assert_identical(to_numpy(got), ref[names].isel(time=i).load())
+    # the first step learns the order, each later one is one joined read of them all
+    assert [n for n in joined_calls if n > 1] == [len(names)] * 3
+
+
+def test_read_ahead_off_and_changed_patterns_keep_values(
+    v3_store: Path, device: str, joined_calls: list[int]
+) -> None:
+    gds, ref = _open(v3_store, device)
+    names = _stepped(ref)
+    with zarr.config.set({"xarray_gds.read_ahead_bytes": 0}):
+        for i in range(3):
+            gds[names].isel(time=i).load()
+    assert joined_calls and all(n == 1 for n in joined_calls)
+    # any order of reads gets the values zarr reads, whatever was read ahead
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        name = names[int(rng.integers(len(names)))]
+        i = int(rng.integers(3))
+        got = gds[name].isel(time=i).load()
+        xr.testing.assert_identical(to_numpy(got), ref[name].isel(time=i).load())
+    for i in (5, 6):
+        for name in names:  # a whole round, then the one variable alone
+            xr.testing.assert_identical(
+                to_numpy(gds[name].isel(time=i).load()), ref[name].isel(time=i).load()
+            )
+        xr.testing.assert_identical(
+            to_numpy(gds[names[0]].isel(time=i + 2).load()), ref[names[0]].isel(time=i + 2).load()
+        )
+
+
 # -- the decode route ---------------------------------------------------------------
 
 
@@ -355,6 +404,52 @@ def test_device_reads_identical_on_every_route(store: Path, forced: str) -> None
             xr.testing.assert_identical(to_numpy(got), select(ref).load())
             gds, ref = _open(store, "cuda", chunks={})
             xr.testing.assert_identical(to_numpy(select(gds).compute()), select(ref).compute())
+
+
+class _HostStaging(PinnedStaging):
+    """The pool's bookkeeping with pageable buffers (no GPU here)."""
+
+    @staticmethod
+    def _allocate(nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+
+def test_staging_reuses_buffers_and_keeps_a_bounded_amount() -> None:
+    staging = _HostStaging(keep_bytes=8 << 20)
+    with staging.lease(3 << 20) as a:
+        assert a.nbytes == 3 << 20
+        with staging.lease(100) as b:  # in use at once: two buffers
+            assert b.nbytes == 100
+    assert staging.allocations == 2
+    for _ in range(5):  # the 4 MiB buffer serves each of these again
+        with staging.lease(4 << 20) as c:
+            c[:] = 1
+    assert staging.allocations == 2
+    with staging.lease(16 << 20):  # more than the pool keeps: released afterwards
+        pass
+    assert staging.allocations == 3
+    with staging.lease(9 << 20):
+        pass
+    assert staging.allocations == 4
+
+
+@pytest.mark.gpu
+def test_host_route_stages_through_reused_pinned_buffers(v3_store: Path) -> None:
+    """Device reads decoded on the host go through the engine's pinned buffers: the
+    second read of the same size allocates none."""
+    import cupy as cp
+
+    staging = coalesce.engine().staging
+    with zarr.config.set({"xarray_gds.route": "host"}):
+        gds, ref = _open(v3_store, "cuda")
+        first = gds.t2m.load()
+        allocated = staging.allocations
+        for _ in range(3):
+            again = _open(v3_store, "cuda")[0].t2m.load()
+            assert isinstance(again.data, cp.ndarray)
+            xr.testing.assert_identical(to_numpy(again), ref.t2m.load())
+    assert isinstance(first.data, cp.ndarray)
+    assert staging.allocations == allocated
 
 
 # -- one loop for reads larger than a batch, and any zarr Store as a source ---------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -18,12 +19,13 @@ import numpy as np
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
+from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
 from xarray_gds.region import box_bounds, is_box_key, read_box
 from xarray_gds.region import read_boxes as _region_read_boxes
 
-__all__ = ["GdsBackendArray", "HostDecodedArray", "read_boxes", "read_many"]
+__all__ = ["GdsBackendArray", "HostDecodedArray", "ReadAhead", "read_boxes", "read_many"]
 
 
 class GdsBackendArray(BackendArray):
@@ -45,15 +47,21 @@ class GdsBackendArray(BackendArray):
         CF decoding applied after the read.
     """
 
-    __slots__ = ("_array", "_cf", "_device", "dtype", "name", "shape")
+    __slots__ = ("_ahead", "_array", "_cf", "_device", "dtype", "name", "shape")
 
     def __init__(
-        self, zarr_array: Any, name: str, device: _device.Device, cf: CFPlan | None = None
+        self,
+        zarr_array: Any,
+        name: str,
+        device: _device.Device,
+        cf: CFPlan | None = None,
+        ahead: ReadAhead | None = None,
     ) -> None:
         self._array = zarr_array
         self.name = name
         self._device = device
         self._cf = cf
+        self._ahead = ahead
         self.shape = tuple(zarr_array.shape)
         raw = np.dtype(zarr_array.dtype).newbyteorder("=")
         self.dtype = cf.dtype if cf is not None else raw
@@ -67,6 +75,10 @@ class GdsBackendArray(BackendArray):
         return self._array
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
+        if self._ahead is not None:
+            kept = self._ahead.read(self, key)
+            if kept is not _NOTHING:
+                return kept
         if isinstance(key, indexing.VectorizedIndexer):
             method = self._vindex
         elif isinstance(key, indexing.OuterIndexer):
@@ -230,6 +242,91 @@ def read_many(requests: list[tuple[Any, indexing.ExplicitIndexer]]) -> list[Any]
         except Exception as err:
             out[i] = err
     return out
+
+
+_NOTHING: Any = object()
+
+
+class ReadAhead:
+    """The reads a loop over the variables of one dataset makes next, in one batch.
+
+    xarray's ``Dataset.load()`` reads lazily loaded variables one after the other, each
+    with the key of the selection: ``ds.isel(time=i).load()`` over 20 variables is 20
+    reads of one chunk, each its own small batch. The arrays of one opened dataset
+    share a ``ReadAhead`` that learns this pattern. A *round* is a run of reads of
+    different arrays with the same key. When a round led by array ``A`` was followed,
+    in that order, by ``B``, ``C``, ..., the next read of ``A`` with another key reads
+    ``B`` and ``C`` with that key too, in the same batch (:func:`read_many`); their
+    reads then take the values kept for them. A round that goes another way costs
+    one round of reads that nobody takes.
+
+    Only integer-and-slice keys take part. What is kept is dropped when the next round
+    begins, so at most one round's values (and at most ``xarray_gds.read_ahead_bytes``
+    of them, default 1 GiB; 0 turns read-ahead off) are held at a time. Reading ahead
+    never changes a value: each kept value is what the array's own read returns.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._round: list[GdsBackendArray] = []  #: the arrays read with ``_key``, in order
+        self._key: tuple[Any, ...] | None = None
+        self._follow: dict[int, list[GdsBackendArray]] = {}  #: leader -> who followed it
+        self._kept: dict[tuple[int, tuple[Any, ...]], Any] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy (a dask worker's) starts afresh
+        return (ReadAhead, ())
+
+    def read(self, array: GdsBackendArray, key: indexing.ExplicitIndexer) -> Any:
+        """``array[key]`` read together with what is predicted to follow it, or kept
+        from such a read; ``_NOTHING`` when ``array`` is to read ``key`` itself."""
+        box = _box_key(key, array.shape) if type(key) is indexing.BasicIndexer else None
+        if box is None:
+            return _NOTHING
+        limit = int(config.get("read_ahead_bytes"))
+        followers: list[GdsBackendArray] = []
+        with self._lock:
+            kept = self._kept.pop((id(array), box), _NOTHING)
+            if box == self._key and self._round and all(a is not array for a in self._round):
+                self._round.append(array)
+                return kept
+            if self._round:  # the round ends: remember who followed its leader
+                self._follow[id(self._round[0])] = self._round[1:]
+            self._round, self._key = [array], box
+            if kept is not _NOTHING:
+                return kept
+            self._kept.clear()  # nobody takes what the last round kept any more
+            if limit > 0:
+                followers = [
+                    b
+                    for b in self._follow.get(id(array), [])
+                    if _box_key(indexing.BasicIndexer(box), b.shape) == box
+                ]
+        if not followers:
+            return _NOTHING
+        indexer = indexing.BasicIndexer(box)
+        items: list[tuple[Any, Any]] = [(array, indexer)]
+        total = _box_nbytes(array, box)
+        for b in followers:
+            total += _box_nbytes(b, box)
+            if total > limit:
+                break
+            items.append((b, indexer))
+        if len(items) == 1:
+            return _NOTHING
+        values = read_many(items)
+        with self._lock:
+            if self._key == box:  # the round is still this one
+                for (b, _), value in zip(items[1:], values[1:], strict=True):
+                    if not isinstance(value, BaseException):
+                        self._kept[(id(b), box)] = value
+        first = values[0]
+        if isinstance(first, BaseException):
+            raise first
+        return first
+
+
+def _box_nbytes(array: GdsBackendArray, box: tuple[Any, ...]) -> int:
+    return array.dtype.itemsize * math.prod(k.stop - k.start for k in box if isinstance(k, slice))
 
 
 class _Batcher:

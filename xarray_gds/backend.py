@@ -20,7 +20,7 @@ from zarr.abc.store import Store
 
 from xarray_gds import device as _device
 from xarray_gds import fuse
-from xarray_gds.array import GdsBackendArray, HostDecodedArray
+from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
@@ -228,6 +228,7 @@ def _dataset_from_store(
         decode_timedelta=decode_timedelta,
     )
     members = zstore.members
+    ahead = ReadAhead()  # a loop over the variables reads them in one batch
     data_vars: dict[str, xr.Variable] = {}
     coord_vars: dict[str, xr.Variable] = {}
     for name, var in decoded.items():
@@ -243,7 +244,7 @@ def _dataset_from_store(
                 mask_and_scale,
             )
             lazy: Any = (
-                GdsBackendArray(zarr_array, _store_name(name), device, plan)
+                GdsBackendArray(zarr_array, _store_name(name), device, plan, ahead)
                 if plan is not None
                 # Variable._data is xarray's lazily decoded array: read it on the
                 # host and move the result (see HostDecodedArray).

@@ -8,9 +8,12 @@ stores, codecs and the read engine all build on it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import os
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +22,7 @@ import numpy as np
 
 from xarray_gds import config
 
-__all__ = ["DeviceBatch", "pack_offsets", "parallel", "pool_threads"]
+__all__ = ["DeviceBatch", "PinnedStaging", "pack_offsets", "parallel", "pool_threads"]
 
 
 @dataclass
@@ -90,3 +93,61 @@ def parallel(fn: Any, n: int, workers: int | None = None, min_items: int = 4) ->
     concurrent.futures.wait(futures)  # all of them, even when one failed
     for future in futures:
         future.result()
+
+
+class PinnedStaging:
+    """Pinned (page-locked) host buffers, reused from one request to the next.
+
+    A batch decoded on the host for the device is decoded into pinned memory and copied
+    from there: a copy from pageable memory runs at about half the speed and cannot
+    overlap the decode. Allocating pinned memory is slow (measured on the H200 host:
+    2.7 ms for 4 MB, 41 ms for 64 MB, 643 ms for 600 MB), so buffers are kept and
+    handed out again: a lease takes the smallest free buffer that is large enough,
+    or allocates one (sizes rounded up to a power of two, at least 1 MiB). At most
+    ``keep_bytes`` (``xarray_gds.staging_bytes``) stay allocated between leases;
+    the largest go first when more would.
+    """
+
+    def __init__(self, keep_bytes: int | None = None) -> None:
+        self._keep = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.allocations = 0  #: buffers allocated so far (the rest were reused)
+
+    @contextlib.contextmanager
+    def lease(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A pinned uint8 buffer of ``nbytes``, this caller's until the block exits
+        (finish any copy from it first)."""
+        buffer = self._take(nbytes)
+        try:
+            yield buffer[:nbytes]
+        finally:
+            self._give(buffer)
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:  # the smallest that fits (the list is sorted by size)
+                return self._free.pop(fits[0])
+        size = max(1 << 20, 1 << max(0, nbytes - 1).bit_length())
+        self.allocations += 1
+        return self._allocate(size)
+
+    @staticmethod
+    def _allocate(nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+
+    def _give(self, buffer: np.ndarray) -> None:
+        keep = self._keep if self._keep is not None else int(config.get("staging_bytes"))
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: b.nbytes)
+            while self._free and sum(b.nbytes for b in self._free) > keep:
+                self._free.pop()  # the largest
+
+    def clear(self) -> None:
+        """Release every kept buffer."""
+        with self._lock:
+            self._free.clear()

@@ -38,11 +38,11 @@ import numpy as np
 
 from xarray_gds import decode, route, sources
 from xarray_gds import device as _device
-from xarray_gds.batch import DeviceBatch
+from xarray_gds.batch import DeviceBatch, PinnedStaging
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.store import read_files_device, read_files_host
 
-__all__ = ["fetch_decode", "fetch_decode_many"]
+__all__ = ["ReadEngine", "engine", "fetch_decode", "fetch_decode_many", "fetch_decode_parts"]
 
 
 @dataclass(eq=False)
@@ -74,23 +74,216 @@ class _Request:
         return len(self.keys) * self.chain.nbytes
 
 
-_cond = threading.Condition()
-_waiting: list[_Request] = []
-_reader: object | None = None  # the group whose files are being read
-_decoders: set[object] = set()  # the groups read and being decoded
+class ReadEngine:
+    """The read engine's shared state: the queue of waiting requests, the group being
+    read and those being decoded (at most two), and the pinned staging buffers of
+    host-decoded device reads. One per process (:func:`engine`); a forked child gets
+    a new one."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.waiting: list[_Request] = []
+        self.reader: object | None = None  #: the group whose files are being read
+        self.decoders: set[object] = set()  #: the groups read and being decoded
+        self.staging = PinnedStaging()
+
+    def fetch_decode(
+        self, store: Any, chain: DecodeChain, keys: list[str], on_device: bool
+    ) -> tuple[list[int], Any]:
+        """See the module's :func:`fetch_decode`."""
+        request = _request(store, chain, keys, on_device)
+        with self.cond:
+            self.waiting.append(request)
+        try:
+            while not request.done:
+                self._lead_or_wait(request)
+        except BaseException:
+            self._withdraw([request])
+            raise
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def fetch_decode_many(
+        self, items: list[tuple[Any, DecodeChain, list[str], bool]]
+    ) -> list[tuple[list[int], Any] | BaseException]:
+        """See the module's :func:`fetch_decode_many`."""
+        requests = [_request(*item) for item in items]
+        with self.cond:
+            self.waiting.extend(requests)
+        try:
+            for request in requests:
+                while not request.done:
+                    self._lead_or_wait(request)
+        except BaseException:
+            self._withdraw(requests)
+            raise
+        out: list[tuple[list[int], Any] | BaseException] = []
+        for request in requests:
+            if request.error is not None:
+                out.append(request.error)
+            else:
+                assert request.result is not None
+                out.append(request.result)
+        return out
+
+    def fetch_decode_parts(
+        self,
+        items: list[tuple[Any, DecodeChain, list[str], bool]],
+        consume: Callable[[int, tuple[list[int], Any]], None],
+    ) -> None:
+        """See the module's :func:`fetch_decode_parts`."""
+        if len(items) == 1:
+            consume(0, self.fetch_decode(*items[0]))
+            return
+        requests = [_request(*item) for item in items]
+        series = object()
+        for request in requests:
+            request.series = series
+        with self.cond:
+            self.waiting.extend(requests)
+        progress = threading.Condition()
+        consumed = 0  # parts handed to ``consume``
+        stop = False
+
+        def serve(first: int) -> None:
+            """Serve parts ``first``, ``first + 2``, ...: with two servers, part k + 1 is
+            read while part k decodes; part k waits until part k - 2 is consumed."""
+            for k in range(first, len(requests), 2):
+                with progress:
+                    while k > consumed + 1 and not stop:
+                        progress.wait()
+                    if stop:
+                        return
+                try:
+                    while not requests[k].done:
+                        self._lead_or_wait(requests[k])
+                except BaseException as err:  # handed to the consumer, which raises it
+                    if not requests[k].done:
+                        requests[k].error = err
+                with progress:
+                    progress.notify_all()
+
+        with ThreadPoolExecutor(2, thread_name_prefix="xarray-gds-part") as pool:
+            servers = [pool.submit(serve, i) for i in range(2)]
+            try:
+                for k, request in enumerate(requests):
+                    with progress:
+                        while not request.done:
+                            progress.wait(0.1)
+                        if request.error is not None:
+                            raise request.error
+                    assert request.result is not None
+                    result, request.result = request.result, _CONSUMED
+                    consume(k, result)
+                    del result
+                    with progress:
+                        consumed = k + 1
+                        progress.notify_all()
+            except BaseException:
+                with progress:
+                    stop = True
+                    progress.notify_all()
+                self._withdraw(requests)  # nobody is to read the parts left
+                raise
+        for server in servers:
+            server.result()
+
+    def _withdraw(self, requests: list[_Request]) -> None:
+        """Interrupted: nobody is to read the requests not taken yet any more."""
+        with self.cond:
+            for request in requests:
+                if not request.taken and request in self.waiting:
+                    self.waiting.remove(request)
+
+    def _lead_or_wait(self, request: _Request) -> None:
+        """Wait until ``request`` is served, or serve a group of requests (the first one
+        waiting, and those that join it), then return."""
+        token = object()
+        group: list[_Request] = []
+        cond = self.cond
+        with cond:
+            # wait while another thread reads, or serves this request, or two groups are
+            # decoding (at most two groups' bytes are alive at once)
+            while not request.done and (
+                request.taken or self.reader is not None or len(self.decoders) >= 2
+            ):
+                cond.wait()
+            if request.done:
+                return
+            group = self._take()
+            self.reader = token
+        try:
+            if group[0].on_device:
+                host = _host_route(group)
+                for r in group:
+                    r.host_decode = host
+            with _on_gpu(group[0]):
+                fetched = _read_group(group)
+                with cond:  # the next group's read may start while this one decodes
+                    self.decoders.add(token)
+                    self.reader = None
+                    cond.notify_all()
+                _decode_group(group, fetched, self.staging)
+                del fetched  # nothing of the group stays alive here once it is served
+        except BaseException:
+            with cond:  # the others of the group go back to the queue, for another thread
+                back = [r for r in group if r is not request and not r.done]
+                for r in back:
+                    r.taken = False
+                self.waiting[:0] = back
+            raise
+        finally:
+            with cond:
+                if self.reader is token:
+                    self.reader = None
+                self.decoders.discard(token)
+                cond.notify_all()
+
+    def _take(self) -> list[_Request]:
+        """The waiting requests for the first one's side (the host, or its GPU) that fit
+        the batch budget together (the first one always), removed from the queue. Called
+        with ``cond`` held."""
+        first = self.waiting[0]
+        with _on_gpu(first):
+            budget = decode.budget(first.on_device)
+        group: list[_Request] = []
+        rest: list[_Request] = []
+        total = 0
+        series: set[int] = set()  # a read's parts go one a group (fetch_decode_parts)
+        for r in self.waiting:
+            same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
+            fits = not group or total + r.nbytes <= budget
+            if same_side and fits and (r.series is None or id(r.series) not in series):
+                group.append(r)
+                total += r.nbytes
+                if r.series is not None:
+                    series.add(id(r.series))
+            else:
+                rest.append(r)
+        for r in group:
+            r.taken = True
+        self.waiting[:] = rest
+        return group
 
 
-def _reset_after_fork() -> None:
+_engine = ReadEngine()
+
+
+def engine() -> ReadEngine:
+    """This process's read engine."""
+    return _engine
+
+
+def _new_engine_after_fork() -> None:
     """A forked child starts with no reads in flight (the parent's threads are gone)."""
-    global _cond, _reader
-    _cond = threading.Condition()
-    _waiting.clear()
-    _decoders.clear()
-    _reader = None
+    global _engine
+    _engine = ReadEngine()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+    os.register_at_fork(after_in_child=_new_engine_after_fork)
 
 
 def _request(store: Any, chain: DecodeChain, keys: list[str], on_device: bool) -> _Request:
@@ -109,21 +302,7 @@ def fetch_decode(
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
     """
-    request = _request(store, chain, keys, on_device)
-    with _cond:
-        _waiting.append(request)
-    try:
-        while not request.done:
-            _lead_or_wait(request)
-    except BaseException:
-        with _cond:  # interrupted: nobody is to read this request any more
-            if not request.taken and request in _waiting:
-                _waiting.remove(request)
-        raise
-    if request.error is not None:
-        raise request.error
-    assert request.result is not None
-    return request.result
+    return _engine.fetch_decode(store, chain, keys, on_device)
 
 
 def fetch_decode_many(
@@ -133,27 +312,7 @@ def fetch_decode_many(
     them wait together, so the thread that serves them reads and decodes them in as few
     groups as the batch budget allows. Each entry of the result is what
     :func:`fetch_decode` returns for that item, or the exception it raises."""
-    requests = [_request(*item) for item in items]
-    with _cond:
-        _waiting.extend(requests)
-    try:
-        for request in requests:
-            while not request.done:
-                _lead_or_wait(request)
-    except BaseException:
-        with _cond:  # interrupted: nobody is to read these requests any more
-            for request in requests:
-                if not request.taken and request in _waiting:
-                    _waiting.remove(request)
-        raise
-    out: list[tuple[list[int], Any] | BaseException] = []
-    for request in requests:
-        if request.error is not None:
-            out.append(request.error)
-        else:
-            assert request.result is not None
-            out.append(request.result)
-    return out
+    return _engine.fetch_decode_many(items)
 
 
 def fetch_decode_parts(
@@ -165,138 +324,11 @@ def fetch_decode_parts(
     calling thread, in order. A helper thread serves part ``k + 1`` (its read, joined
     with what other threads ask for) while part ``k`` decodes and is consumed; at most
     two parts' results are alive at once. Raises the first part's error."""
-    if len(items) == 1:
-        consume(0, fetch_decode(*items[0]))
-        return
-    requests = [_request(*item) for item in items]
-    series = object()
-    for request in requests:
-        request.series = series
-    with _cond:
-        _waiting.extend(requests)
-    progress = threading.Condition()
-    consumed = 0  # parts handed to ``consume``
-    stop = False
-
-    def serve(first: int) -> None:
-        """Serve parts ``first``, ``first + 2``, ...: with two servers, part k + 1 is
-        read while part k decodes; part k waits until part k - 2 is consumed."""
-        for k in range(first, len(requests), 2):
-            with progress:
-                while k > consumed + 1 and not stop:
-                    progress.wait()
-                if stop:
-                    return
-            try:
-                while not requests[k].done:
-                    _lead_or_wait(requests[k])
-            except BaseException as err:  # handed to the consumer, which raises it
-                if not requests[k].done:
-                    requests[k].error = err
-            with progress:
-                progress.notify_all()
-
-    with ThreadPoolExecutor(2, thread_name_prefix="xarray-gds-part") as pool:
-        servers = [pool.submit(serve, i) for i in range(2)]
-        try:
-            for k, request in enumerate(requests):
-                with progress:
-                    while not request.done:
-                        progress.wait(0.1)
-                    if request.error is not None:
-                        raise request.error
-                assert request.result is not None
-                result, request.result = request.result, _CONSUMED
-                consume(k, result)
-                del result
-                with progress:
-                    consumed = k + 1
-                    progress.notify_all()
-        except BaseException:
-            with progress:
-                stop = True
-                progress.notify_all()
-            with _cond:  # nobody is to read the parts left
-                for request in requests:
-                    if not request.taken and request in _waiting:
-                        _waiting.remove(request)
-            raise
-    for server in servers:
-        server.result()
+    _engine.fetch_decode_parts(items, consume)
 
 
 #: what a consumed part's request keeps (its chunks are released)
 _CONSUMED: tuple[list[int], Any] = ([], None)
-
-
-def _lead_or_wait(request: _Request) -> None:
-    """Wait until ``request`` is served, or serve a group of requests (the first one
-    waiting, and those that join it), then return."""
-    global _reader
-    token = object()
-    group: list[_Request] = []
-    with _cond:
-        # wait while another thread reads, or serves this request, or two groups are
-        # decoding (at most two groups' bytes are alive at once)
-        while not request.done and (request.taken or _reader is not None or len(_decoders) >= 2):
-            _cond.wait()
-        if request.done:
-            return
-        group = _take()
-        _reader = token
-    try:
-        if group[0].on_device:
-            host = _host_route(group)
-            for r in group:
-                r.host_decode = host
-        with _on_gpu(group[0]):
-            fetched = _read_group(group)
-            with _cond:  # the next group's read may start while this one decodes
-                _decoders.add(token)
-                _reader = None
-                _cond.notify_all()
-            _decode_group(group, fetched)
-            del fetched  # nothing of the group stays alive here once it is served
-    except BaseException:
-        with _cond:  # the others of the group go back to the queue, for another thread
-            back = [r for r in group if r is not request and not r.done]
-            for r in back:
-                r.taken = False
-            _waiting[:0] = back
-        raise
-    finally:
-        with _cond:
-            if _reader is token:
-                _reader = None
-            _decoders.discard(token)
-            _cond.notify_all()
-
-
-def _take() -> list[_Request]:
-    """The waiting requests for the first one's side (the host, or its GPU) that fit the
-    batch budget together (the first one always), removed from the queue. Called with
-    ``_cond`` held."""
-    first = _waiting[0]
-    with _on_gpu(first):
-        budget = decode.budget(first.on_device)
-    group: list[_Request] = []
-    rest: list[_Request] = []
-    total = 0
-    series: set[int] = set()  # a read's parts go one a group (fetch_decode_parts)
-    for r in _waiting:
-        same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
-        fits = not group or total + r.nbytes <= budget
-        if same_side and fits and (r.series is None or id(r.series) not in series):
-            group.append(r)
-            total += r.nbytes
-            if r.series is not None:
-                series.add(id(r.series))
-        else:
-            rest.append(r)
-    for r in group:
-        r.taken = True
-    _waiting[:] = rest
-    return group
 
 
 def _host_route(group: list[_Request]) -> bool:
@@ -316,11 +348,14 @@ def _host_route(group: list[_Request]) -> bool:
     )
 
 
-def _deliver(r: _Request, present: list[int], chunks: Any) -> None:
-    """Hand ``r`` its chunks, on the device when it asked for them there."""
-    if r.host_decode and chunks is not None:
-        chunks = _device.cupy().asarray(chunks)
-    r.result = (present, chunks)
+def _decode(
+    r: _Request, chain: DecodeChain, fetched: Any, keys: list[str], staging: PinnedStaging
+) -> tuple[list[int], Any]:
+    """Decode fetched chunks as ``r``'s group does: on the GPU, on the host, or on the
+    host for the device (staged through pinned memory, copied as they decode)."""
+    if r.host_decode:
+        return decode.decode_staged(chain, fetched, keys, staging)
+    return decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
 
 
 def _read(group: list[_Request]) -> Any:
@@ -343,7 +378,9 @@ def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:
     return [fetched[i] for i in idx.tolist()]
 
 
-def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None) -> None:
+def _serve_alone(
+    r: _Request, staging: PinnedStaging, fetched: Any = None, idx: np.ndarray | None = None
+) -> None:
     """Serve ``r`` on its own: from rows ``idx`` of ``fetched``, or from a read of its
     own files when there is no ``fetched``."""
     try:
@@ -351,7 +388,7 @@ def _serve_alone(r: _Request, fetched: Any = None, idx: np.ndarray | None = None
             fetched = _read([r])
         elif idx is not None:
             fetched = _subset(fetched, idx, r.decode_on_device)
-        _deliver(r, *decode.decode_fetched(r.chain, fetched, r.keys, r.decode_on_device))
+        r.result = _decode(r, r.chain, fetched, r.keys, staging)
     except Exception as err:  # raised in the thread that asked
         r.error = err
 
@@ -377,7 +414,7 @@ def _read_group(group: list[_Request]) -> Any:
         return None
 
 
-def _decode_group(group: list[_Request], fetched: Any) -> None:
+def _decode_group(group: list[_Request], fetched: Any, staging: PinnedStaging) -> None:
     """One decode per decode chain of the group's fetched files; each request on its
     own when that fails (from the same files), or when the joined read failed (each
     reading its own files again)."""
@@ -386,13 +423,15 @@ def _decode_group(group: list[_Request], fetched: Any) -> None:
     if fetched is not None:
         # an unforeseen failure here leaves each request to be decoded alone below
         with contextlib.suppress(Exception):
-            _decode_joined(group, spans, fetched)
+            _decode_joined(group, spans, fetched, staging)
     for r, idx in zip(group, spans, strict=True):
         if not r.done:
-            _serve_alone(r, fetched, idx)
+            _serve_alone(r, staging, fetched, idx)
 
 
-def _decode_joined(group: list[_Request], spans: list[np.ndarray], fetched: Any) -> None:
+def _decode_joined(
+    group: list[_Request], spans: list[np.ndarray], fetched: Any, staging: PinnedStaging
+) -> None:
     on_device = group[0].decode_on_device
     by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
     for r, idx in zip(group, spans, strict=True):
@@ -402,7 +441,7 @@ def _decode_joined(group: list[_Request], spans: list[np.ndarray], fetched: Any)
             by_chain.append((r.chain, members := []))
         members.append((r, idx))
     for chain, members in by_chain:
-        _decode_members(chain, members, fetched, on_device)
+        _decode_members(chain, members, fetched, on_device, staging)
 
 
 def _decode_members(
@@ -410,20 +449,21 @@ def _decode_members(
     members: list[tuple[_Request, np.ndarray]],
     fetched: Any,
     on_device: bool,
+    staging: PinnedStaging,
 ) -> None:
     """One decode for the requests that share ``chain``; on failure, one each."""
     if len(members) == 1:
-        _serve_alone(members[0][0], fetched, members[0][1])
+        _serve_alone(members[0][0], staging, fetched, members[0][1])
         return
     idx = np.concatenate([i for _, i in members])
     keys = [k for r, _ in members for k in r.keys]
     try:
-        present, chunks = decode.decode_fetched(
-            chain, _subset(fetched, idx, on_device), keys, on_device
+        present, chunks = _decode(
+            members[0][0], chain, _subset(fetched, idx, on_device), keys, staging
         )
     except Exception:  # find which request it was
         for r, i in members:
-            _serve_alone(r, fetched, i)
+            _serve_alone(r, staging, fetched, i)
         return
     found = np.asarray(present, dtype=np.int64)
     at = 0  # first position of this request's chunks in the joined list
@@ -431,5 +471,5 @@ def _decode_members(
         first = int(np.searchsorted(found, at))
         last = int(np.searchsorted(found, at + len(r.keys)))
         mine = (found[first:last] - at).tolist()
-        _deliver(r, mine, chunks[first:last] if mine else None)
+        r.result = (mine, chunks[first:last] if mine else None)
         at += len(r.keys)

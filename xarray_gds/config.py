@@ -53,6 +53,8 @@ KNOBS: dict[str, Knob] = {
         Knob("read_threads", int, None, "threads that read a batch of files (1 or 4)"),
         Knob("small_read", int, 256 << 10, "mean range size staged through pinned memory"),
         Knob("batched_host_writes", bool, False, "host values take the batched encoder"),
+        Knob("staging_bytes", int, 1 << 30, "pinned host staging kept between reads"),
+        Knob("read_ahead_bytes", int, 1 << 30, "values read ahead for a loop over variables"),
         Knob("route", str, "auto", "decode route of device reads: auto, gpu or host"),
         Knob("route_constants", str, "", "cost-model constants (see xarray-gds calibrate)"),
         Knob("fuse_dask", bool, True, "read a computation's dask blocks in joined batches"),

@@ -6,16 +6,26 @@ the zarr adapter (:mod:`xarray_gds.pipeline`), which all decode through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
+from xarray_gds.batch import PinnedStaging
 from xarray_gds.codecs import DecodeChain, host
 
-__all__ = ["batch_bytes", "budget", "decode_fetched", "decode_host", "part_chunks", "untile"]
+__all__ = [
+    "batch_bytes",
+    "budget",
+    "decode_fetched",
+    "decode_host",
+    "decode_staged",
+    "part_chunks",
+    "untile",
+]
 
 
 def batch_bytes(on_device: bool = True) -> int:
@@ -64,7 +74,15 @@ def part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
     return max(1, target // chunk_nbytes)
 
 
-def decode_host(chain: DecodeChain, chunks: list[Any], keys: Sequence[str]) -> Any:
+def decode_host(
+    chain: DecodeChain,
+    chunks: list[Any],
+    keys: Sequence[str],
+    out: np.ndarray | None = None,
+    done: Callable[[int], None] | None = None,
+) -> Any:
+    """The chunks' stored bytes ``(n, nbytes)`` decoded by the host codecs (into
+    ``out`` when given; ``done(i)`` as soon as row ``i`` is decoded, if given)."""
     if chain.crc32c:
         chunks = host.strip_crc32c(chunks, keys)
     if chain.compressor is not None and chain.compressor.name == "blosc":
@@ -73,8 +91,61 @@ def decode_host(chain: DecodeChain, chunks: list[Any], keys: Sequence[str]) -> A
         # check every frame's tables before c-blosc reads them (it trusts them)
         blosc.parse_frames(chunks, keys, chain.nbytes)
     if chain.compressor is not None:
-        return host.decompress(chain.compressor, chunks, chain.nbytes, keys)
-    return host.stack(chunks, chain.nbytes, keys)
+        return host.decompress(chain.compressor, chunks, chain.nbytes, keys, out, done)
+    data = host.stack(chunks, chain.nbytes, keys, out)
+    if done is not None:
+        for i in range(len(chunks)):
+            done(i)
+    return data
+
+
+_streams = threading.local()
+
+
+def _copy_stream() -> Any:
+    """This thread's stream for staged copies to the current device."""
+    cp = _device.cupy()
+    device = cp.cuda.Device().id
+    cached = getattr(_streams, "by_device", None)
+    if cached is None:
+        cached = _streams.by_device = {}
+    if device not in cached:
+        cached[device] = cp.cuda.Stream(non_blocking=True)
+    return cached[device]
+
+
+def decode_staged(
+    chain: DecodeChain, fetched: list[Any], keys: Sequence[str], staging: PinnedStaging
+) -> tuple[list[int], Any]:
+    """:func:`decode_fetched` of host-fetched chunks for the device: the host codecs
+    decode into a pinned buffer leased from ``staging`` (none is allocated per
+    request once it has grown), each row is copied to the current device as soon as
+    it is decoded (the copies overlap the decoding of the rest), and the filters and
+    the final layout run on the device, as after an nvCOMP decode."""
+    present = [i for i, data in enumerate(fetched) if data is not None]
+    if not present:
+        return present, None
+    names = [keys[i] for i in present]
+    cp = _device.cupy()
+    n, nbytes = len(present), chain.nbytes
+    rows = cp.empty((n, nbytes), dtype=np.uint8)
+    device = rows.device.id
+    stream = _copy_stream()
+    with staging.lease(n * nbytes) as pinned:
+        out = pinned.reshape(n, nbytes)
+
+        def copy(i: int) -> None:  # in the decoding thread, on the batch's device
+            with cp.cuda.Device(device):
+                rows[i].set(out[i], stream=stream)
+
+        try:
+            decode_host(chain, [fetched[i] for i in present], names, out, copy)
+        finally:  # the buffer goes back to the pool: no copy may still read it
+            stream.synchronize()
+    data = rows
+    for f in chain.filters:
+        data = f.apply(data, cp)
+    return present, chain.finish(data, cp)
 
 
 def untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:

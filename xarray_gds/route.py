@@ -122,7 +122,10 @@ def estimate(compressor: str | None, n_chunks: int, chunk_nbytes: int) -> tuple[
     total = n_chunks * chunk_nbytes
     gpu = c.gpu_call + chunk_nbytes / rate.gpu_chunk + total / rate.gpu_batch
     rounds = -(-n_chunks // max(1, threads))
-    host = c.host_call + rounds * chunk_nbytes / rate.host_thread + total / c.h2d
+    # each chunk's copy to the device starts as soon as it is decoded (decode_staged):
+    # the copies overlap the decoding but for the last chunk's
+    decoding = rounds * chunk_nbytes / rate.host_thread
+    host = c.host_call + max(decoding, total / c.h2d) + chunk_nbytes / c.h2d
     return gpu, host
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import google_crc32c
@@ -38,9 +38,16 @@ def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]
 
 
 def decompress(
-    compressor: Compressor, chunks: Sequence[Any], nbytes: int, keys: Sequence[str]
+    compressor: Compressor,
+    chunks: Sequence[Any],
+    nbytes: int,
+    keys: Sequence[str],
+    out: np.ndarray | None = None,
+    done: Callable[[int], None] | None = None,
 ) -> np.ndarray:
-    """Decode ``chunks`` with ``compressor`` into a ``(len(chunks), nbytes)`` array.
+    """Decode ``chunks`` with ``compressor`` into a ``(len(chunks), nbytes)`` array
+    (``out`` when given); ``done(i)`` is called in the decoding thread as soon as row
+    ``i`` holds its values (to start its copy to the device).
 
     The decoded sizes that streams declare (zstd frame content sizes, numcodecs' LZ4
     size prefixes) are checked against ``nbytes`` first, as on the GPU: numcodecs
@@ -56,12 +63,19 @@ def decompress(
         framing.check(compressor.name, heads, sizes, nbytes, keys)
         if compressor.name == "zstd":
             into = bool(np.all(framing.zstd_content_sizes(heads) == nbytes))
-    out = np.empty((len(chunks), nbytes), dtype=np.uint8)
+    if out is None:
+        out = np.empty((len(chunks), nbytes), dtype=np.uint8)
+    rows = out
 
     def one(i: int) -> None:
+        _decode_one(i)
+        if done is not None:
+            done(i)
+
+    def _decode_one(i: int) -> None:
         try:
             if into:
-                compressor.host_codec.decode(chunks[i], out=out[i])
+                compressor.host_codec.decode(chunks[i], out=rows[i])
                 return
             decoded = ensure_ndarray(compressor.host_codec.decode(chunks[i]))
         except Exception as err:
@@ -73,7 +87,7 @@ def decompress(
             raise ChunkDecodeError(
                 keys[i], compressor.name, f"decoded to {decoded.size} bytes, expected {nbytes}"
             )
-        out[i] = decoded
+        rows[i] = decoded
 
     # a large chunk takes milliseconds to decode: two of them already pay for the pool
     parallel(one, len(chunks), min_items=2 if nbytes >= _LARGE_CHUNK else 4)
@@ -84,9 +98,13 @@ def decompress(
 _LARGE_CHUNK = 256 << 10
 
 
-def stack(chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> np.ndarray:
-    """Uncompressed chunks as one ``(n, nbytes)`` array, checking every size."""
-    out = np.empty((len(chunks), nbytes), dtype=np.uint8)
+def stack(
+    chunks: Sequence[Any], nbytes: int, keys: Sequence[str], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Uncompressed chunks as one ``(n, nbytes)`` array (``out`` when given), checking
+    every size."""
+    if out is None:
+        out = np.empty((len(chunks), nbytes), dtype=np.uint8)
     for i, raw in enumerate(chunks):
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
         if data.size != nbytes:
