@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +48,14 @@ __all__ = ["ReadEngine", "engine", "fetch_decode", "fetch_decode_many", "fetch_d
 @dataclass(eq=False)
 class _Request:
     chain: DecodeChain
-    keys: list[str]
-    paths: list[str]
+    keys: Sequence[str]
+    paths: list[Any]
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
     source: Any = None  #: where ``paths`` are read from (None: local files)
+    #: byte ranges (``starts, sizes``) of ``paths`` to read (shards' inner chunks);
+    #: None reads each location whole
+    ranges: tuple[np.ndarray, np.ndarray] | None = None
     series: object = None  #: the parts of one read share it: never in one group
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
@@ -88,10 +91,15 @@ class ReadEngine:
         self.staging = PinnedStaging()
 
     def fetch_decode(
-        self, store: Any, chain: DecodeChain, keys: list[str], on_device: bool
+        self,
+        store: Any,
+        chain: DecodeChain,
+        keys: Sequence[str],
+        on_device: bool,
+        ranges: Ranges | None = None,
     ) -> tuple[list[int], Any]:
         """See the module's :func:`fetch_decode`."""
-        request = _request(store, chain, keys, on_device)
+        request = _request(store, chain, keys, on_device, ranges)
         with self.cond:
             self.waiting.append(request)
         try:
@@ -105,9 +113,7 @@ class ReadEngine:
         assert request.result is not None
         return request.result
 
-    def fetch_decode_many(
-        self, items: list[tuple[Any, DecodeChain, list[str], bool]]
-    ) -> list[tuple[list[int], Any] | BaseException]:
+    def fetch_decode_many(self, items: list[Item]) -> list[tuple[list[int], Any] | BaseException]:
         """See the module's :func:`fetch_decode_many`."""
         requests = [_request(*item) for item in items]
         with self.cond:
@@ -130,7 +136,7 @@ class ReadEngine:
 
     def fetch_decode_parts(
         self,
-        items: list[tuple[Any, DecodeChain, list[str], bool]],
+        items: list[Item],
         consume: Callable[[int, tuple[list[int], Any]], None],
     ) -> None:
         """See the module's :func:`fetch_decode_parts`."""
@@ -286,14 +292,38 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_engine_after_fork)
 
 
-def _request(store: Any, chain: DecodeChain, keys: list[str], on_device: bool) -> _Request:
+def _request(
+    store: Any,
+    chain: DecodeChain,
+    keys: Sequence[str],
+    on_device: bool,
+    ranges: Ranges | None = None,
+) -> _Request:
     source = sources.source_for(store)
     gpu = _device.cupy().cuda.Device().id if on_device else -1
-    return _Request(chain, list(keys), source.locate(keys), on_device, gpu, source)
+    if ranges is None:
+        return _Request(chain, keys, source.locate(list(keys)), on_device, gpu, source)
+    held, which, starts, sizes = ranges
+    located = source.locate(held)
+    paths = [located[i] for i in which.tolist()]
+    return _Request(chain, keys, paths, on_device, gpu, source, (starts, sizes))
+
+
+#: Byte ranges a request reads instead of whole chunks: the keys that hold them, which
+#: of those holds each range, and each range's start and size (see ``_request``).
+Ranges = tuple[list[str], np.ndarray, np.ndarray, np.ndarray]
+
+#: What the engine is asked to read: ``(store, chain, keys, on_device)``, and
+#: optionally the byte ranges the keys' chunks are read from (:data:`Ranges`).
+Item = tuple[Any, ...]
 
 
 def fetch_decode(
-    store: Any, chain: DecodeChain, keys: list[str], on_device: bool
+    store: Any,
+    chain: DecodeChain,
+    keys: Sequence[str],
+    on_device: bool,
+    ranges: Ranges | None = None,
 ) -> tuple[list[int], Any]:
     """Read and decode the chunks ``keys`` of ``store``, together with the requests
     other threads make meanwhile.
@@ -301,12 +331,13 @@ def fetch_decode(
     Returns what :func:`xarray_gds.decode.decode_fetched` returns for
     ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
     decoded values, and raises what reading and decoding these chunks alone raises.
+    With ``ranges``, the chunks are byte ranges of other keys (see :data:`Ranges`).
     """
-    return _engine.fetch_decode(store, chain, keys, on_device)
+    return _engine.fetch_decode(store, chain, keys, on_device, ranges)
 
 
 def fetch_decode_many(
-    items: list[tuple[Any, DecodeChain, list[str], bool]],
+    items: list[Item],
 ) -> list[tuple[list[int], Any] | BaseException]:
     """:func:`fetch_decode` of every ``(store, chain, keys, on_device)`` at once: all of
     them wait together, so the thread that serves them reads and decodes them in as few
@@ -316,7 +347,7 @@ def fetch_decode_many(
 
 
 def fetch_decode_parts(
-    items: list[tuple[Any, DecodeChain, list[str], bool]],
+    items: list[Item],
     consume: Callable[[int, tuple[list[int], Any]], None],
 ) -> None:
     """:func:`fetch_decode` of every part ``(store, chain, keys, on_device)`` of a read
@@ -349,7 +380,7 @@ def _host_route(group: list[_Request]) -> bool:
 
 
 def _decode(
-    r: _Request, chain: DecodeChain, fetched: Any, keys: list[str], staging: PinnedStaging
+    r: _Request, chain: DecodeChain, fetched: Any, keys: Sequence[str], staging: PinnedStaging
 ) -> tuple[list[int], Any]:
     """Decode fetched chunks as ``r``'s group does: on the GPU, on the host, or on the
     host for the device (staged through pinned memory, copied as they decode)."""
@@ -360,7 +391,30 @@ def _decode(
 
 def _read(group: list[_Request]) -> Any:
     """Every chunk of the requests of ``group``, in one batch (one read per kind of
-    source, see :mod:`xarray_gds.sources`)."""
+    source, see :mod:`xarray_gds.sources`; whole chunks and byte ranges apart)."""
+    if all(r.ranges is None for r in group):
+        return _read_whole(group)
+    bounds = np.cumsum([0] + [len(r.paths) for r in group])
+    parts: list[tuple[np.ndarray, Any]] = []
+    for ranged in (False, True):
+        members = [i for i, r in enumerate(group) if (r.ranges is not None) == ranged]
+        if not members:
+            continue
+        idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in members])
+        picked = [group[i] for i in members]
+        parts.append((idx, _read_ranges(picked) if ranged else _read_whole(picked)))
+    return sources.join(parts, int(bounds[-1]), group[0].decode_on_device)
+
+
+def _read_ranges(group: list[_Request]) -> Any:
+    paths = [p for r in group for p in r.paths]
+    starts = np.concatenate([r.ranges[0] for r in group if r.ranges is not None])
+    sizes = np.concatenate([r.ranges[1] for r in group if r.ranges is not None])
+    spread = [r.source for r in group for _ in r.paths]
+    return sources.read(spread, paths, group[0].decode_on_device, None, (starts, sizes))
+
+
+def _read_whole(group: list[_Request]) -> Any:
     paths = [p for r in group for p in r.paths]
     on_device = group[0].decode_on_device
     counts = [len(r.paths) for r in group]
@@ -456,7 +510,7 @@ def _decode_members(
         _serve_alone(members[0][0], staging, fetched, members[0][1])
         return
     idx = np.concatenate([i for _, i in members])
-    keys = [k for r, _ in members for k in r.keys]
+    keys = decode.Joined([r.keys for r, _ in members])
     try:
         present, chunks = _decode(
             members[0][0], chain, _subset(fetched, idx, on_device), keys, staging

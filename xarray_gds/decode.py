@@ -22,6 +22,8 @@ __all__ = [
     "budget",
     "decode_fetched",
     "decode_host",
+    "Joined",
+    "Picked",
     "decode_staged",
     "part_chunks",
     "untile",
@@ -99,6 +101,45 @@ def decode_host(
     return data
 
 
+class Picked(Sequence[str]):
+    """``keys[i]`` for ``i`` in ``rows``, looked up only when an error names one (names
+    of shards' inner chunks are formatted on demand)."""
+
+    def __init__(self, keys: Sequence[str], rows: Sequence[int]) -> None:
+        self._keys = keys
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        return self._keys[self._rows[j]]
+
+
+class Joined(Sequence[str]):
+    """Several sequences of keys as one, looked up on demand."""
+
+    def __init__(self, parts: Sequence[Sequence[str]]) -> None:
+        self._parts = parts
+        self._ends = np.cumsum([len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        j = range(len(self))[j]
+        k = int(np.searchsorted(self._ends, j, side="right"))
+        return self._parts[k][j - (int(self._ends[k - 1]) if k else 0)]
+
+
+def _names(keys: Sequence[str], present: list[int]) -> Sequence[str]:
+    return keys if len(present) == len(keys) else Picked(keys, present)
+
+
 _streams = threading.local()
 
 
@@ -125,7 +166,7 @@ def decode_staged(
     present = [i for i, data in enumerate(fetched) if data is not None]
     if not present:
         return present, None
-    names = [keys[i] for i in present]
+    names = _names(keys, present)
     cp = _device.cupy()
     n, nbytes = len(present), chain.nbytes
     rows = cp.empty((n, nbytes), dtype=np.uint8)
@@ -169,7 +210,7 @@ def decode_fetched(
         present = [i for i, data in enumerate(fetched) if data is not None]
     if not present:
         return present, None
-    names = [keys[i] for i in present]
+    names = _names(keys, present)
     if on_device:
         from xarray_gds.codecs import nvcomp
 

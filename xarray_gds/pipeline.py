@@ -33,9 +33,8 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import register_pipeline
 
-from xarray_gds import coalesce, config, decode, route
+from xarray_gds import coalesce, config, decode
 from xarray_gds import device as _device
-from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
 from xarray_gds.codecs.encode import (
     EncodeChain,
@@ -46,7 +45,7 @@ from xarray_gds.codecs.encode import (
     plan_encode,
 )
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.store import GdsStore, read_ranges_device, read_ranges_host
+from xarray_gds.store import GdsStore
 
 __all__ = ["GdsCodecPipeline", "batch_bytes", "decode_fetched", "use_gds_pipeline"]
 
@@ -202,8 +201,6 @@ class GdsCodecPipeline(CodecPipeline):
                 self._warn_host_decode(batch[0][0].path, chain)
             return await self._host_then_copy(batch, out, drop_axes, self._fallback.read)
         if isinstance(chain, ShardChain):
-            if on_device and _host_route(chain, len(batch)):  # see xarray_gds.route
-                return await self._host_then_copy(batch, out, drop_axes, self.read)
             return await _read_shards(chain, batch, out, drop_axes, on_device)
         assert isinstance(chain, DecodeChain)
         # the read engine's loop (xarray_gds.coalesce): joined with other threads' reads,
@@ -284,41 +281,8 @@ batch_bytes = decode.batch_bytes
 decode_fetched = decode.decode_fetched
 
 
-def _host_route(chain: DecodeChain | ShardChain, n_chunks: int) -> bool:
-    """Whether a GPU read of ``n_chunks`` chunks (or shards) of ``chain`` decodes faster
-    on the host pool (see :mod:`xarray_gds.route`)."""
-    if isinstance(chain, ShardChain):
-        n_chunks *= math.prod(chain.grid)
-        chain = chain.inner
-    name = chain.compressor.name if chain.compressor is not None else None
-    return route.choose(name, n_chunks, chain.nbytes) == "host"
-
-
 def _split(batch: list[Any], per_part: int) -> list[list[Any]]:
     return [batch[i : i + per_part] for i in range(0, len(batch), per_part)]
-
-
-async def _overlapped(
-    n: int,
-    fetch: Callable[[int], Awaitable[Any]],
-    decode: Callable[[int, Any], Awaitable[Iterable[GetResult]]],
-) -> tuple[GetResult, ...]:
-    """Run ``decode(k, await fetch(k))`` for ``k < n`` with ``fetch(k + 1)`` in flight
-    while part ``k`` decodes; at most two parts' fetched bytes are alive at once."""
-    results: list[GetResult] = []
-    pending: asyncio.Future[Any] | None = asyncio.ensure_future(fetch(0))
-    try:
-        for k in range(n):
-            assert pending is not None
-            fetched = await pending
-            pending = asyncio.ensure_future(fetch(k + 1)) if k + 1 < n else None
-            results.extend(await decode(k, fetched))
-    finally:
-        if pending is not None:
-            # a failed decode: let the read in flight finish before the error propagates
-            with contextlib.suppress(Exception):
-                await pending
-    return tuple(results)
 
 
 def _touched(sel: Any, size: int, chunk: int) -> np.ndarray:
@@ -413,32 +377,34 @@ def _check_ranges(
 async def _read_shards(
     chain: ShardChain, batch: list[Any], out: Any, drop_axes: tuple[int, ...], on_device: bool
 ) -> tuple[GetResult, ...]:
-    """Read shards: indexes on the host, then the touched inner chunks of every shard by
-    byte range, all decoded in one batch and assembled shard by shard."""
+    """Read shards: every index first (small host reads, all in flight), then the
+    touched inner chunks of every shard by byte range, through the read engine's loop
+    (:func:`xarray_gds.coalesce.fetch_decode_parts`: joined with other threads' reads,
+    routed by cost, part k + 1 read while part k decodes), each part's shards
+    assembled as it comes."""
+    indexes = list(await asyncio.gather(*(_shard_index(chain, bg) for bg, *_ in batch)))
     parts = _split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
+    store = batch[0][0].store
+    plans: list[tuple[list[_Index | None], _ShardPlan]] = []
+    items: list[Any] = []
+    at = 0
+    for part in parts:
+        found, at = indexes[at : at + len(part)], at + len(part)
+        plan = _shard_plan(chain, part, found)
+        plans.append((found, plan))
+        held = [bg.path for bg, *_ in part]
+        ranges = (held, plan.shard, plan.starts, plan.sizes)
+        items.append((store, chain.inner, plan.keys, on_device, ranges))
+    results: list[GetResult] = []
 
-    async def fetch(k: int) -> Any:
-        part = parts[k]
-        indexes = await asyncio.gather(*(_shard_index(chain, bg) for bg, *_ in part))
-        plan = _shard_plan(chain, part, indexes)
-        fetched: Any = None
-        if len(plan.sizes):
-            store = part[0][0].store
-            if isinstance(store, GdsStore):
-                paths = [store.resolve(part[s][0].path) for s in plan.shard.tolist()]
-                reader = read_ranges_device if on_device else read_ranges_host
-                fetched = await asyncio.to_thread(reader, paths, plan.starts, plan.sizes)
-            else:
-                fetched = await _get_ranges(part, plan, on_device)
-        return indexes, plan, fetched
-
-    def decode_part(k: int, fetched: Any) -> Any:
-        indexes, plan, data = fetched
-        return asyncio.to_thread(
-            _shards_sync, chain, parts[k], indexes, plan, data, out, drop_axes, on_device
+    def assemble(k: int, decoded: tuple[list[int], Any]) -> None:
+        found, plan = plans[k]
+        results.extend(
+            _assemble_shards(chain, parts[k], found, plan, decoded, out, drop_axes, on_device)
         )
 
-    return await _overlapped(len(parts), fetch, decode_part)
+    await asyncio.to_thread(coalesce.fetch_decode_parts, items, assemble)
+    return tuple(results)
 
 
 class _InnerKeys(Sequence[str]):
@@ -512,35 +478,27 @@ def _shard_plan(chain: ShardChain, part: list[Any], indexes: list[_Index | None]
     return plan
 
 
-def _shards_sync(
+def _assemble_shards(
     chain: ShardChain,
     part: list[Any],
     indexes: list[_Index | None],
     plan: _ShardPlan,
-    fetched: Any,
+    decoded: tuple[list[int], Any],
     out: Any,
     drop_axes: tuple[int, ...],
     on_device: bool,
 ) -> list[GetResult]:
+    """The shards of ``part`` built from their decoded inner chunks (``decoded``, in
+    the order of ``plan``), and the selection of each scattered into ``out``."""
     xp = _device.array_module("cuda" if on_device else "cpu")
     inner = chain.inner
     grid = chain.grid
-    n_plan = len(plan.sizes)
-    # decode every needed inner chunk of these shards at once
-    decoded: Any = None
-    if n_plan:
-        keys = plan.keys
-        if on_device:
-            from xarray_gds.codecs import nvcomp
-
-            if not isinstance(fetched, DeviceBatch):
-                fetched = nvcomp.pack(fetched)
-            data = nvcomp.decode(inner, fetched, list(range(n_plan)), keys)
-        else:
-            data = decode.decode_host(inner, fetched, keys)
-        for flt in inner.filters:
-            data = flt.apply(data, xp)
-        decoded = inner.finish(data, xp)
+    present, chunks = decoded
+    if len(present) != len(plan.sizes):  # a range the index lists was not there
+        lost = sorted(set(range(len(plan.sizes))) - set(present))[0]
+        raise ChunkDecodeError(
+            plan.keys[lost], "sharding_indexed", "the shard vanished while it was read"
+        )
     # assemble each shard, then scatter the selection into the output; the plan is
     # sorted by shard, so each shard's inner chunks are one slice of it
     target = out.as_ndarray_like()
@@ -555,7 +513,7 @@ def _shards_sync(
         j0, j1 = int(bounds[s]), int(bounds[s + 1])
         if j1 - j0 == n_inner:
             # every inner chunk present, in C order: one reshape/transpose builds the shard
-            shard = decode.untile(decoded[j0:j1], grid, chain.shard_shape)
+            shard = decode.untile(chunks[j0:j1], grid, chain.shard_shape)
         else:
             dtype = inner.dtype.newbyteorder("=")
             shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
@@ -565,27 +523,13 @@ def _shards_sync(
                     slice(int(i) * c, (int(i) + 1) * c)
                     for i, c in zip(g, inner.chunk_shape, strict=True)
                 )
-                shard[region] = decoded[j]
+                shard[region] = chunks[j]
         value = shard[chunk_sel]
         if drop_axes:
             value = value.squeeze(axis=drop_axes)
         target[out_sel] = value
         results.append(GetResult(status="present"))
     return results
-
-
-async def _get_ranges(part: list[Any], plan: _ShardPlan, on_device: bool) -> list[Any]:
-    """Byte ranges through the store's own API (stores other than GdsStore)."""
-    proto = _device.buffer_prototype("cuda" if on_device else "cpu")
-
-    async def one(k: int) -> Any:
-        bg = part[int(plan.shard[k])][0]
-        start = int(plan.starts[k])
-        request = RangeByteRequest(start, start + int(plan.sizes[k]))
-        buf = await bg.get(prototype=proto, byte_range=request)
-        return None if buf is None else buf.as_array_like()
-
-    return list(await asyncio.gather(*(one(k) for k in range(len(plan.sizes)))))
 
 
 def _tile(

@@ -28,7 +28,7 @@ import numpy as np
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 
-__all__ = ["LocalSource", "Source", "StoreSource", "read", "source_for"]
+__all__ = ["LocalSource", "Source", "StoreSource", "join", "read", "source_for"]
 
 
 class Source(Protocol):
@@ -71,6 +71,22 @@ class LocalSource:
             return read_files_host(locations)
         return read_files_device(locations, slots)
 
+    @staticmethod
+    def read_ranges_all(
+        sources: Sequence[Any],
+        locations: list[Any],
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        on_device: bool,
+    ) -> Any:
+        """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner chunks):
+        a DeviceBatch when ``on_device``, else a list of arrays."""
+        from xarray_gds.store import read_ranges_device, read_ranges_host
+
+        if not on_device:
+            return read_ranges_host(locations, starts, sizes)
+        return read_ranges_device(locations, starts, sizes)
+
 
 class StoreSource:
     """Keys of any zarr Store, read through its own ``get``."""
@@ -101,11 +117,45 @@ class StoreSource:
             return list(await concurrent_map([(i,) for i in range(len(locations))], one, limit))
 
         found: list[np.ndarray | None] = sync(every())
-        if not on_device:
-            return found
-        from xarray_gds.codecs import nvcomp
+        return _on_side(found, on_device)
 
-        return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
+    @staticmethod
+    def read_ranges_all(
+        sources: Sequence[Any],
+        locations: list[Any],
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        on_device: bool,
+    ) -> Any:
+        """Byte ranges of keys through the stores' ``get`` (all in flight at once)."""
+        import zarr
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import cpu
+        from zarr.core.common import concurrent_map
+        from zarr.core.sync import sync
+
+        async def one(i: int) -> Any:
+            start = int(starts[i])
+            request = RangeByteRequest(start, start + int(sizes[i]))
+            got = await sources[i].store.get(
+                locations[i], prototype=cpu.buffer_prototype, byte_range=request
+            )
+            return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
+
+        async def every() -> list[Any]:
+            limit = zarr.config.get("async.concurrency")
+            return list(await concurrent_map([(i,) for i in range(len(locations))], one, limit))
+
+        return _on_side(sync(every()), on_device)
+
+
+def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
+    """Host arrays as a read returns them: as they are, or packed into one arena."""
+    if not on_device:
+        return found
+    from xarray_gds.codecs import nvcomp
+
+    return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
 
 
 def source_for(store: Any) -> LocalSource | StoreSource:
@@ -116,34 +166,50 @@ def source_for(store: Any) -> LocalSource | StoreSource:
 
 
 def read(
-    sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    sources: Sequence[Any],
+    locations: list[Any],
+    on_device: bool,
+    slots: np.ndarray | None,
+    ranges: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Any:
     """Every location of a batch whose locations come from several sources: one
-    :meth:`Source.read_all` per kind, joined into one DeviceBatch (device) or list."""
+    :meth:`Source.read_all` per kind, joined into one DeviceBatch (device) or list.
+    With ``ranges`` (``starts, sizes``), a byte range of each location instead
+    (:meth:`read_ranges_all`)."""
+
+    def one_kind(picked: Sequence[Any], idx: np.ndarray | None) -> Any:
+        reader = type(picked[0]) if picked else LocalSource
+        where = [locations[i] for i in idx.tolist()] if idx is not None else locations
+        if ranges is not None:
+            starts, sizes = ranges if idx is None else (ranges[0][idx], ranges[1][idx])
+            return reader.read_ranges_all(picked, where, starts, sizes, on_device)
+        own_slots = slots if slots is None or idx is None else slots[idx]
+        return reader.read_all(picked, where, on_device, own_slots)
+
     kinds = {s.kind for s in sources}
     if len(kinds) <= 1:
-        reader = type(sources[0]) if sources else LocalSource
-        return reader.read_all(sources, locations, on_device, slots)
+        return one_kind(sources, None)
     parts: list[tuple[np.ndarray, Any]] = []
     for kind in sorted(kinds):
         idx = np.flatnonzero([s.kind == kind for s in sources])
-        picked = [sources[i] for i in idx.tolist()]
-        got = type(picked[0]).read_all(
-            picked,
-            [locations[i] for i in idx.tolist()],
-            on_device,
-            None if slots is None else slots[idx],
-        )
-        parts.append((idx, got))
+        parts.append((idx, one_kind([sources[i] for i in idx.tolist()], idx)))
+    return join(parts, len(locations), on_device)
+
+
+def join(parts: list[tuple[np.ndarray, Any]], n: int, on_device: bool) -> Any:
+    """Reads of disjoint subsets ``idx`` of ``n`` locations as one read of all of them
+    (one DeviceBatch on the device, one list on the host), in location order."""
     if not on_device:
-        out: list[Any] = [None] * len(locations)
+        out: list[Any] = [None] * n
         for idx, got in parts:
             for i, a in zip(idx.tolist(), got, strict=True):
                 out[i] = a
         return out
     from xarray_gds.codecs import nvcomp
 
-    arrays: list[Any] = [None] * len(locations)
+    if len(parts) == 1 and len(parts[0][0]) == n and np.all(parts[0][0] == np.arange(n)):
+        return parts[0][1]
+    arrays: list[Any] = [None] * n
     for idx, batch in parts:
         assert isinstance(batch, DeviceBatch)
         for i, start, size in zip(idx.tolist(), batch.offsets, batch.sizes, strict=True):
