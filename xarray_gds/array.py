@@ -66,6 +66,18 @@ class GdsBackendArray(BackendArray):
         """The underlying :class:`zarr.Array`."""
         return self._array
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        # a dataset opened elsewhere (open_mfdataset(parallel=True) under distributed
+        # opens the stores on the workers) joins its blocks' reads in this process too
+        from xarray_gds import fuse
+
+        fuse.install()
+
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         if isinstance(key, indexing.VectorizedIndexer):
             method = self._vindex
