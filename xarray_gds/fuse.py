@@ -153,6 +153,7 @@ def optimize(dsk: Any, keys: Any) -> Any:
         return dsk
     _warn_host_blocks(sources, {s for _, s, _ in blocks})
     groups = _groups(blocks, sources)
+    root = _root_mark()
     for g, members in enumerate(groups):
         refs = sorted({s for _, s, _ in members}, key=str)
         plan = [(refs.index(s), slices) for _, s, slices in members]
@@ -162,11 +163,22 @@ def optimize(dsk: Any, keys: Any) -> Any:
             _read_group,
             DataNode(None, plan),
             *(_embedded(graph, r) for r in refs),
+            **root,
         )
         for i, (key, _, _) in enumerate(members):
             graph[key] = Task(key, _pick, TaskRef(group_key), i)
     _drop_unused(graph, {s for _, s, _ in blocks}, set(flatten(keys)))
     return graph
+
+
+def _root_mark() -> dict[str, Any]:
+    """Group tasks are marked as producing data (as dask marks its own ``from_array``
+    reads) where dask knows the mark: ``dask.distributed`` then queues them as root
+    tasks and hands each to the least busy worker. Unmarked, the two groups of a
+    computation were seen to both go to one of two idle workers."""
+    from dask._task_spec import Task
+
+    return {"_data_producer": True} if hasattr(Task, "data_producer") else {}
 
 
 def _embedded(graph: dict[Hashable, Any], key: Hashable) -> Any:
