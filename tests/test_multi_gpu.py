@@ -127,9 +127,7 @@ class Reads:
 
 def _chunk_files(stores: list[Path], names: list[str]) -> set[str]:
     """The chunk files on disk of variables ``names`` in ``stores``."""
-    return {
-        str(p) for s in stores for n in names for p in (s / n / "c").rglob("*") if p.is_file()
-    }
+    return {str(p) for s in stores for n in names for p in (s / n / "c").rglob("*") if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +188,8 @@ def test_workers_read_their_own_share(stores: list[Path], client: Any, reads: Re
     reads.clear()
     gds.t2m.sum().compute()
     batches = reads.batches()
-    assert all(batches.values()), f"a worker read nothing: { {w: len(b) for w, b in batches.items()} }"
+    counts = {w: len(b) for w, b in batches.items()}
+    assert all(counts.values()), f"a worker read nothing: {counts}"
     files = {w: {p for _, _, ps in b for p in ps} for w, b in batches.items()}
     first, second = files.values()
     assert not first & second  # no chunk read by both

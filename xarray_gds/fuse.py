@@ -194,7 +194,7 @@ def _embedded(graph: dict[Hashable, Any], key: Hashable) -> Any:
     node = graph.get(key)
     if isinstance(node, DataNode):
         return DataNode(None, node.value)
-    return TaskRef(key)
+    return TaskRef(key)  # type: ignore[arg-type]
 
 
 def _drop_unused(graph: dict[Hashable, Any], candidates: set[Hashable], keep: set[Any]) -> None:
