@@ -416,3 +416,37 @@ def test_one_process_reads_on_each_current_gpu(stores: list[Path]) -> None:
                 got = xr.open_dataset(stores[0], engine="gds-zarr", device="cuda").t2m.data
                 assert isinstance(got, cupy.ndarray) and got.device.id == gpu
                 np.testing.assert_array_equal(got.get(), want)
+
+
+# -- the benchmark case -------------------------------------------------------------
+
+
+def test_bench_multi_gpu_case_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``xarray-gds bench --case multi-gpu-mfdataset`` end to end on tiny stores: on a
+    machine without a GPU the engine runs on host clusters of one and two workers,
+    and the GPU counts the machine lacks are named."""
+    import json
+
+    from xarray_gds import bench, cli
+
+    spec = bench.CASES["multi-gpu-mfdataset"]
+    assert spec["stores"] >= 50 and spec.get("named_only")
+    monkeypatch.setitem(spec, "stores", 6)  # tiny: 6 stores of 16 KiB chunks
+    monkeypatch.setitem(spec, "store", {"chunk_bytes": 16 << 10})
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--case", "multi-gpu-mfdataset", "--size-gb", "0.001", "--repeat", "1"]
+    assert cli.main([*argv, "--dir", str(tmp_path), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    (result,) = json.loads(out_json.read_text())["results"]
+    labels = set(result["seconds"])
+    assert "zarr" in labels and all(v > 0 for v in result["seconds"].values())
+    if labels == {"gds-zarr, host, 1 worker", "gds-zarr, host, 2 workers", "zarr"}:
+        assert "not run (1, 2, 4, 8 GPUs)" in result["note"]
+    else:  # on a GPU machine: the GPU counts it has
+        assert "gds-zarr, 1 GPU" in labels
+    assert "means agree with zarr to" in result["note"]
+    worst = float(result["note"].split("means agree with zarr to ")[1].split()[0])
+    assert worst < 1e-5
+    assert "| multi-gpu-mfdataset |" in out
