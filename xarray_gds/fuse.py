@@ -14,8 +14,10 @@ per codec chain), and one cheap task a block that takes its block from its group
 Blocks come back as they would without it: CuPy blocks through
 :class:`~xarray_gds.chunks.GdsDaskManager`, numpy blocks through xarray's default
 dask manager (which declares numpy blocks for every backend array; a one-time
-warning says how to keep them on the GPU). Under ``dask.distributed`` there are at
-least as many groups as workers, so every worker reads and decodes its own share.
+warning says how to keep them on the GPU). Under ``dask.distributed`` the number of
+groups is a multiple of the number of workers, and the group tasks depend on no other
+task (each holds its arrays), so the scheduler spreads them: every worker reads and
+decodes its own share, on its own GPU.
 ``xarray_gds.fuse_dask = False`` turns the pass off.
 """
 
@@ -255,7 +257,11 @@ def _n_workers() -> int:
     except ValueError:
         return 0
     try:
-        return len(client.scheduler_info(n_workers=-1).get("workers", {}))
+        try:  # all of them (newer clients list 5 unless told otherwise)
+            info = client.scheduler_info(n_workers=-1)
+        except TypeError:  # an older client: no n_workers argument, every worker listed
+            info = client.scheduler_info()
+        return len(info.get("workers", {}))
     except Exception:
         return 0
 
