@@ -231,6 +231,8 @@ def test_groups_are_a_multiple_of_the_workers(
     assert not [p for p, n in reads.files().items() if n > 1]
 
 
+# u16 is stored in chunks of 3 time steps: xarray notes that blocks of 4 split them
+@pytest.mark.filterwarnings("ignore:The specified chunks separate:UserWarning")
 def test_open_dataset_chunks_spread_over_workers(
     stores: list[Path], client: Any, reads: Reads
 ) -> None:

@@ -67,7 +67,9 @@ class GdsBackendArray(BackendArray):
         return self._array
 
     def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        state = dict(getattr(self, "__dict__", {}))
+        state.update((name, getattr(self, name)) for name in self.__slots__)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
