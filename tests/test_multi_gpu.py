@@ -350,6 +350,8 @@ def _check_on_cluster(stores: list[Path], client: Any, n_gpus: int) -> None:
     xr.testing.assert_identical(got.as_numpy(), ref[names].compute())
     batches = reads.batches()
     assert len(batches) == n_gpus
+    # read into device memory and decoded by nvCOMP on the worker's current GPU
+    assert all(gpu == 0 for b in batches.values() for _, gpu, _ in b), batches
     buses = set(client.run(lambda: __import__("cupy").cuda.Device().pci_bus_id).values())
     assert len(buses) == n_gpus  # one GPU a worker
     if fuse.available():
