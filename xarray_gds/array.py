@@ -74,6 +74,20 @@ class GdsBackendArray(BackendArray):
         """The underlying :class:`zarr.Array`."""
         return self._array
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(getattr(self, "__dict__", {}))
+        state.update((name, getattr(self, name)) for name in self.__slots__)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        # a dataset opened elsewhere (open_mfdataset(parallel=True) under distributed
+        # opens the stores on the workers) joins its blocks' reads in this process too
+        from xarray_gds import fuse
+
+        fuse.install()
+
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         if self._ahead is not None:
             kept = self._ahead.read(self, key)

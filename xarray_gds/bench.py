@@ -25,6 +25,7 @@ import xarray as xr
 import zarr
 import zarr.codecs as zc
 
+from xarray_gds import bench_cluster
 from xarray_gds import device as _device
 
 __all__ = ["CASES", "Result", "make_store", "run"]
@@ -443,7 +444,7 @@ def run(
     try:
         for name in cases or list(CASES):
             spec = CASES[name]
-            if spec["gpu"] and not cuda:
+            if (spec["gpu"] and not cuda) or (spec.get("named_only") and not cases):
                 continue
             path = make_store(
                 tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"]
@@ -512,6 +513,17 @@ CASES: dict[str, dict[str, Any]] = {
             "gds-zarr, parallel=True": lambda: _mean_gds(ps, parallel=True),
             "zarr, parallel=True": lambda: _mean_zarr(ps, parallel=True),
         },
+    },
+    # one reduction over many stores on a dask cluster of 1, 2, 4 and 8 GPUs (those the
+    # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.bench_cluster)
+    "multi-gpu-mfdataset": {
+        "gpu": False,  # on the host: a smoke test of the case
+        "named_only": True,  # clusters of every GPU count: run only with --case
+        "scale": 1 / 64,  # per store: 64 stores (8 a GPU on 8) of --size-gb in all
+        "stores": 64,
+        "store": {"chunk_bytes": 1 << 20},
+        "contenders": bench_cluster.contenders,
+        "note": bench_cluster.note,
     },
     # the ways users load data (issue 15): each a ratio against engine="zarr" doing
     # the same call, then moving every variable's values to the GPU

@@ -14,8 +14,10 @@ per codec chain), and one cheap task a block that takes its block from its group
 Blocks come back as they would without it: CuPy blocks through
 :class:`~xarray_gds.chunks.GdsDaskManager`, numpy blocks through xarray's default
 dask manager (which declares numpy blocks for every backend array; a one-time
-warning says how to keep them on the GPU). Under ``dask.distributed`` there are at
-least as many groups as workers, so every worker reads and decodes its own share.
+warning says how to keep them on the GPU). Under ``dask.distributed`` the number of
+groups is a multiple of the number of workers, and the group tasks depend on no other
+task (each holds its arrays), so the scheduler spreads them: every worker reads and
+decodes its own share, on its own GPU.
 ``xarray_gds.fuse_dask = False`` turns the pass off.
 """
 
@@ -153,6 +155,7 @@ def optimize(dsk: Any, keys: Any) -> Any:
         return dsk
     _warn_host_blocks(sources, {s for _, s, _ in blocks})
     groups = _groups(blocks, sources)
+    root = _root_mark()
     for g, members in enumerate(groups):
         refs = sorted({s for _, s, _ in members}, key=str)
         plan = [(refs.index(s), slices) for _, s, slices in members]
@@ -161,11 +164,49 @@ def optimize(dsk: Any, keys: Any) -> Any:
             group_key,
             _read_group,
             DataNode(None, plan),
-            *(TaskRef(r) for r in refs),  # type: ignore[arg-type]
+            *(_embedded(graph, r) for r in refs),
+            **root,
         )
         for i, (key, _, _) in enumerate(members):
             graph[key] = Task(key, _pick, TaskRef(group_key), i)
+    _drop_unused(graph, {s for _, s, _ in blocks}, set(flatten(keys)))
     return graph
+
+
+def _root_mark() -> dict[str, Any]:
+    """Group tasks are marked as producing data (as dask marks its own ``from_array``
+    reads) where dask knows the mark: ``dask.distributed`` then queues them as root
+    tasks and hands each to the least busy worker. Unmarked, the two groups of a
+    computation were seen to both go to one of two idle workers."""
+    from dask._task_spec import Task
+
+    return {"_data_producer": True} if hasattr(Task, "data_producer") else {}
+
+
+def _embedded(graph: dict[Hashable, Any], key: Hashable) -> Any:
+    """The source array itself inside the group task (a small object: the lazy array
+    and its store's path), or a reference to its task when it is not plain data.
+
+    Embedded, the group tasks depend on nothing, so that ``dask.distributed`` spreads
+    them over its workers; with a reference they would all wait on the worker that
+    holds the source (the scheduler runs a task where its inputs are), and one
+    ``open_dataset(chunks=...)`` array would be read by one worker only."""
+    from dask._task_spec import DataNode, TaskRef
+
+    node = graph.get(key)
+    if isinstance(node, DataNode):
+        return DataNode(None, node.value)
+    return TaskRef(key)  # type: ignore[arg-type]
+
+
+def _drop_unused(graph: dict[Hashable, Any], candidates: set[Hashable], keep: set[Any]) -> None:
+    """Remove the source tasks that no task refers to any more (all their blocks were
+    joined into groups), unless they are results of the computation."""
+    used: set[Hashable] = set()
+    for task in graph.values():
+        used.update(task.dependencies)
+    for key in candidates - used - keep:
+        del graph[key]
 
 
 def _token(members: list[Any]) -> str:
@@ -182,22 +223,27 @@ def _nbytes(slices: tuple[slice, ...], adapter: Any) -> int:
 def _groups(
     blocks: list[tuple[Hashable, Hashable, Any]], sources: dict[Hashable, tuple[Any, bool]]
 ) -> list[list[tuple[Hashable, Hashable, Any]]]:
-    """Blocks cut into groups of at most ``fuse_bytes`` (in graph order, so that the
-    blocks of one array stay together), at least one group per distributed worker."""
-    sizes = [_nbytes(slices, sources[s][0]) for _, s, slices in blocks]
-    total = sum(sizes)
+    """Blocks cut into groups of about ``fuse_bytes`` at most (in graph order, so that
+    the blocks of one array stay together), of about equal bytes. Under
+    ``dask.distributed``, a multiple of the number of workers (as many as there are
+    blocks at most), so that every worker reads about the same share."""
+    sizes = np.array([_nbytes(slices, sources[s][0]) for _, s, slices in blocks], np.float64)
+    total = float(sizes.sum())
     limit = max(1, int(config.get("fuse_bytes")))
-    n_groups = max(1, -(-total // limit), min(len(blocks), _n_workers()))
-    per_group = -(-total // n_groups)
-    groups: list[list[tuple[Hashable, Hashable, Any]]] = [[]]
-    held = 0
-    for block, size in zip(blocks, sizes, strict=True):
-        if groups[-1] and held + size > per_group:
-            groups.append([])
-            held = 0
-        groups[-1].append(block)
-        held += size
-    return groups
+    n_groups = max(1, math.ceil(total / limit))
+    workers = _n_workers()
+    if workers:
+        n_groups = math.ceil(n_groups / workers) * workers
+    n_groups = min(n_groups, len(blocks))
+    if n_groups == 1 or total <= 0:
+        return [blocks]
+    # each block goes to the group its middle byte falls in
+    middle = np.cumsum(sizes) - sizes / 2
+    which = np.minimum((middle * n_groups / total).astype(np.int64), n_groups - 1)
+    groups: list[list[tuple[Hashable, Hashable, Any]]] = [[] for _ in range(n_groups)]
+    for block, g in zip(blocks, which.tolist(), strict=True):
+        groups[g].append(block)
+    return [g for g in groups if g]
 
 
 def _n_workers() -> int:
@@ -211,7 +257,11 @@ def _n_workers() -> int:
     except ValueError:
         return 0
     try:
-        return len(client.scheduler_info(n_workers=-1).get("workers", {}))
+        try:  # all of them (newer clients list 5 unless told otherwise)
+            info = client.scheduler_info(n_workers=-1)
+        except TypeError:  # an older client: no n_workers argument, every worker listed
+            info = client.scheduler_info()
+        return len(info.get("workers", {}))
     except Exception:
         return 0
 

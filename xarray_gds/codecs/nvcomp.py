@@ -46,17 +46,22 @@ def _nvcomp() -> Any:
 
 
 def _state() -> tuple[Any, dict[str, Any]]:
-    """This thread's CUDA stream and nvCOMP codecs (a Codec is not thread-safe)."""
-    if not hasattr(_local, "codecs"):
-        cp = _device.cupy()
+    """This thread's CUDA stream and nvCOMP codecs on the current device (a Codec is
+    not thread-safe, and a stream and a Codec belong to the device current when they
+    were made: a thread that serves requests for several GPUs keeps one pair each)."""
+    cp = _device.cupy()
+    gpu = cp.cuda.Device().id
+    per_device = _local.__dict__.setdefault("devices", {})
+    if gpu not in per_device:
         if not _all_states:
             # registered after CuPy's own exit handlers, so it runs before them:
             # nvCOMP codecs must go before the streams and the context they use
             atexit.register(_release)
-        _local.stream = cp.cuda.Stream(non_blocking=True)
-        _local.codecs = {}
-        _all_states.append(_local.__dict__)
-    return _local.stream, _local.codecs
+        state = {"stream": cp.cuda.Stream(non_blocking=True), "codecs": {}, "gpu": gpu}
+        per_device[gpu] = state
+        _all_states.append(state)
+    state = per_device[gpu]
+    return state["stream"], state["codecs"]
 
 
 def _release() -> None:
@@ -72,6 +77,7 @@ def _codec(name: str) -> Any:
         codecs[name] = nvcomp.Codec(
             algorithm=ALGORITHMS[name],
             bitstream_kind=nvcomp.BitstreamKind.RAW,
+            device_id=stream.device_id,
             cuda_stream=stream.ptr,
         )
     return codecs[name]
