@@ -221,3 +221,34 @@ def test_open_dataset_http_matches_zarr(http_root):
 def test_http_403(http_root):
     with pytest.raises(PermissionError, match=r"/private/one.zarr.*403.*credentials"):
         xr.open_dataset(f"{http_root}/private/one.zarr", engine="gds-zarr", device="cpu")
+
+
+def test_remote_source_chosen_and_secrets_hidden(s3, s3_store):
+    from xarray_gds import sources
+
+    ds = xr.open_dataset(s3_store, engine="gds-zarr", storage_options=s3, device="cpu")
+    from xarray_gds.backend import open_store
+
+    store = open_store(s3_store, storage_options=s3)
+    assert isinstance(sources.source_for(store), sources.RemoteSource)
+    for text in (repr(store), str(store), repr(ds), str(ds.encoding)):
+        assert SECRET not in text and KEY not in text
+
+
+@pytest.mark.gpu
+def test_s3_kvikio_route_matches_zarr(s3, s3_store):
+    cupy = pytest.importorskip("cupy")
+    ours = xr.open_dataset(s3_store, engine="gds-zarr", storage_options=s3, device="cuda")
+    ref = xr.open_dataset(s3_store, engine="zarr", storage_options=s3).load()
+    loaded = ours.load()
+    assert isinstance(loaded.t.data, cupy.ndarray)
+    xr.testing.assert_identical(loaded.as_numpy(), ref)
+
+
+@pytest.mark.gpu
+def test_http_kvikio_route_matches_zarr(http_root):
+    cupy = pytest.importorskip("cupy")
+    url = f"{http_root}/one.zarr"
+    loaded = xr.open_dataset(url, engine="gds-zarr", device="cuda").load()
+    assert isinstance(loaded.t.data, cupy.ndarray)
+    xr.testing.assert_identical(loaded.as_numpy(), xr.open_dataset(url, engine="zarr").load())

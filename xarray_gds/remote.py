@@ -135,3 +135,101 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
                 where = f"the bucket {bucket!r} does not exist (check the URL and endpoint_url)"
         raise FileNotFoundError(f"No Zarr store at {url!r}: {where}")
     return store
+
+
+# -- device route: kvikio RemoteFile ---------------------------------------------------
+
+
+def kvikio_target(store: Any) -> tuple[str, dict[str, Any]] | None:
+    """``(base URL, kvikio open arguments)`` of an fsspec store kvikio's ``RemoteFile``
+    can read (S3 through s3fs, HTTP(S)), or ``None``."""
+    fs = getattr(store, "fs", None)
+    path = getattr(store, "path", None)
+    if fs is None or path is None:
+        return None
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("s3", "s3a"):
+        args = {
+            "aws_access_key_id": getattr(fs, "key", None),
+            "aws_secret_access_key": getattr(fs, "secret", None),
+            "aws_endpoint_url": getattr(fs, "endpoint_url", None),
+            "aws_region_name": (getattr(fs, "client_kwargs", None) or {}).get("region_name"),
+        }
+        if getattr(fs, "token", None):
+            args["aws_session_token"] = fs.token
+        return f"s3://{path.strip('/')}", {k: v for k, v in args.items() if v}
+    if protocol in ("http", "https"):
+        return path.rstrip("/"), {}
+    return None
+
+
+def _open_remote(kvikio: Any, url: str, args: dict[str, Any]) -> Any:
+    if url.startswith("s3://"):
+        bucket, _, name = url[5:].partition("/")
+        return kvikio.RemoteFile.open_s3(bucket, name, **args)
+    return kvikio.RemoteFile.open_http(url)
+
+
+def read_device(stores: list[Any], keys: list[str], retries: int = 3) -> Any:
+    """Whole objects ``keys[i]`` of ``stores[i]`` read by kvikio into one device arena
+    (:class:`~xarray_gds.batch.DeviceBatch`; size -1 for a missing object). A read that
+    fails or comes back short is tried again, at most ``retries`` times in all, and then
+    raises an ``OSError`` naming the URL and the key; partial bytes are never data."""
+    import numpy as np
+
+    from xarray_gds import device as _device
+    from xarray_gds.batch import DeviceBatch, pack_offsets, parallel
+
+    kvikio = _device.kvikio()
+    cp = _device.cupy()
+    targets = [kvikio_target(s) for s in stores]
+    handles: list[Any] = [None] * len(keys)
+
+    def open_one(i: int) -> None:
+        target = targets[i]
+        assert target is not None
+        url = f"{target[0]}/{keys[i]}"
+        try:
+            handles[i] = _open_remote(kvikio, url, target[1])
+        except Exception as err:
+            from zarr.core.sync import sync
+
+            if not sync(stores[i].exists(keys[i])):
+                return  # a missing chunk: the fill value
+            raise OSError(
+                f"cannot read chunk {keys[i]!r} at {url!r}: "
+                + redact(str(err), targets[i][1] if targets[i] else None)
+                + "; check the credentials, endpoint_url and that the server is up"
+            ) from None
+
+    parallel(open_one, len(keys), min_items=2)
+    sizes = np.array([-1 if h is None else int(h.nbytes()) for h in handles], dtype=np.int64)
+    offsets, total = pack_offsets(sizes)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    cp.cuda.get_current_stream().synchronize()
+    pending = [i for i in range(len(keys)) if sizes[i] > 0]
+    for _ in range(max(1, retries)):
+        futures = []
+        for i in pending:
+            start, size = int(offsets[i]), int(sizes[i])
+            futures.append((i, handles[i].pread(arena[start : start + size], size, 0)))
+        failed: list[int] = []
+        errors: dict[int, str] = {}
+        for i, future in futures:
+            try:
+                if future.get() != sizes[i]:
+                    failed.append(i)
+                    errors[i] = "short read"
+            except Exception as err:
+                failed.append(i)
+                errors[i] = str(err)
+        pending = failed
+        if not pending:
+            return DeviceBatch(arena, offsets, sizes)
+    i = pending[0]
+    target = targets[i]
+    raise OSError(
+        f"cannot read chunk {keys[i]!r} at {target[0] if target else ''}/{keys[i]} after "
+        f"{retries} tries: {redact(errors[i], target[1] if target else None)}; check the "
+        "server and the network"
+    )
