@@ -252,3 +252,24 @@ def test_http_kvikio_route_matches_zarr(http_root):
     loaded = xr.open_dataset(url, engine="gds-zarr", device="cuda").load()
     assert isinstance(loaded.t.data, cupy.ndarray)
     xr.testing.assert_identical(loaded.as_numpy(), xr.open_dataset(url, engine="zarr").load())
+
+
+def test_fsspec_and_object_store_objects(s3, s3_store):
+    import zarr
+
+    ref = xr.open_dataset(s3_store, engine="zarr", storage_options=s3).load()
+    fss = zarr.storage.FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
+    ours = xr.open_dataset(fss, engine="gds-zarr", device="cpu").load()
+    xr.testing.assert_identical(ours, ref)
+    obstore = pytest.importorskip("obstore.store", reason="ObjectStore needs obstore")
+    obj = obstore.S3Store(
+        "data",
+        prefix="one.zarr",
+        endpoint=s3["endpoint_url"],
+        access_key_id=KEY,
+        secret_access_key=SECRET,
+        region="us-east-1",
+        client_options={"allow_http": True},
+    )
+    store = zarr.storage.ObjectStore(obj, read_only=True)
+    xr.testing.assert_identical(xr.open_dataset(store, engine="gds-zarr", device="cpu").load(), ref)

@@ -522,7 +522,8 @@ def _remote_contenders(path: Path) -> dict[str, Callable[[], Any]]:
     )
 
     def obstore_zarr() -> Any:
-        ds = xr.open_dataset(ObjectStore(obj, read_only=True), engine="zarr", consolidated=True)
+        store: Any = ObjectStore(obj, read_only=True)
+        ds = xr.open_dataset(store, engine="zarr", consolidated=True)
         return _device.cupy().asarray(ds["t"].values)
 
     out["zarr (obstore)"] = obstore_zarr

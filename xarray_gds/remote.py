@@ -61,6 +61,17 @@ def _fail(url: str, storage_options: dict[str, Any] | None, what: str, err: Base
 
 
 def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSError:
+    if "Credential" in type(err).__name__:
+        return PermissionError(
+            _fail(
+                url,
+                options,
+                "no credentials found: pass storage_options key and "
+                "secret, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
+                "anon=True for a public bucket",
+                err,
+            )
+        )
     if "Connect" in type(err).__name__ or isinstance(err, ConnectionError | TimeoutError):
         return ConnectionError(
             _fail(
@@ -198,7 +209,7 @@ def read_device(stores: list[Any], keys: list[str], retries: int = 3) -> Any:
                 return  # a missing chunk: the fill value
             raise OSError(
                 f"cannot read chunk {keys[i]!r} at {url!r}: "
-                + redact(str(err), targets[i][1] if targets[i] else None)
+                + redact(str(err), target[1])
                 + "; check the credentials, endpoint_url and that the server is up"
             ) from None
 
