@@ -215,9 +215,10 @@ def test_directory_that_is_not_a_store(tmp_path: Path) -> None:
         xr.open_dataset(tmp_path / "notes.txt", engine="gds-zarr", device="cpu")
 
 
-def test_remote_urls_are_refused_with_a_pointer(tmp_path: Path) -> None:
+def test_other_remote_urls_are_refused_with_a_pointer(tmp_path: Path) -> None:
+    # s3:// and http(s):// are opened (tests/test_remote.py); other schemes are not
     with pytest.raises(ValueError, match="zarr Store object"):
-        xr.open_dataset("s3://bucket/data.zarr", engine="gds-zarr", device="cpu")
+        xr.open_dataset("gs://bucket/data.zarr", engine="gds-zarr", device="cpu")
 
 
 def test_unknown_argument_raises_type_error(v3_store: Path) -> None:

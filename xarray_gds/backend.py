@@ -19,7 +19,7 @@ from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
-from xarray_gds import fuse
+from xarray_gds import fuse, remote
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
@@ -34,7 +34,12 @@ _ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
 _READ_MODES = ("r", "r+", "a", "a-")
 
 
-def open_store(filename_or_obj: str | os.PathLike[str] | Store, *, read_only: bool = True) -> Store:
+def open_store(
+    filename_or_obj: str | os.PathLike[str] | Store,
+    *,
+    read_only: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> Store:
     """Return a zarr Store for a local path (a :class:`GdsStore`) or a Store.
 
     Parameters
@@ -77,10 +82,12 @@ def open_store(filename_or_obj: str | os.PathLike[str] | Store, *, read_only: bo
             f"zarr.abc.store.Store or a zarr.Group, not {type(filename_or_obj).__name__}"
         )
     text = os.fspath(filename_or_obj)
+    if remote.is_remote_url(text):
+        return remote.open_url(text, storage_options, read_only=read_only)
     if "://" in text and not text.startswith("file://"):
         raise ValueError(
-            f"engine='gds-zarr' reads local directories only, got {text!r}; for remote "
-            "stores pass a zarr Store object, e.g. "
+            f"engine='gds-zarr' reads local directories and s3://, http:// and https:// "
+            f"URLs, got {text!r}; for other remote stores pass a zarr Store object, e.g. "
             f"zarr.storage.FsspecStore.from_url({text!r}, storage_options=..., read_only=True)"
         )
     path = Path(text.removeprefix("file://")).expanduser()
@@ -94,7 +101,12 @@ def open_store(filename_or_obj: str | os.PathLike[str] | Store, *, read_only: bo
     return GdsStore(path, read_only=read_only)
 
 
-def _resolve_source(filename_or_obj: Any, group: str | None, mode: str) -> tuple[Store, str | None]:
+def _resolve_source(
+    filename_or_obj: Any,
+    group: str | None,
+    mode: str,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[Store, str | None]:
     """The Store to open and the group path in it; a ``zarr.Group`` stands for its
     store and path (``group`` is then relative to it)."""
     if mode not in _READ_MODES:
@@ -109,7 +121,18 @@ def _resolve_source(filename_or_obj: Any, group: str | None, mode: str) -> tuple
             return filename_or_obj.store, group
         sub = (group or "").strip("/")
         return filename_or_obj.store, f"{base}/{sub}" if sub else base
-    return open_store(filename_or_obj, read_only=mode == "r"), group
+    return (
+        open_store(filename_or_obj, read_only=mode == "r", storage_options=storage_options),
+        group,
+    )
+
+
+def _passed_on(filename_or_obj: Any, storage_options: dict[str, Any] | None) -> Any:
+    """The storage_options zarr is given: none for a remote URL (they went into the
+    store opened for it, see :func:`xarray_gds.remote.open_url`)."""
+    if isinstance(filename_or_obj, str) and remote.is_remote_url(filename_or_obj):
+        return None
+    return storage_options
 
 
 def _store_name(name: Any) -> str:
@@ -397,13 +420,13 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
                 )
             zstore = store
         else:
-            source, group = _resolve_source(filename_or_obj, group, mode)
+            source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
             (zstore,) = _open_zarr_stores(
                 source,
                 group=group,
                 mode=mode,
                 consolidated=consolidated,
-                storage_options=storage_options,
+                storage_options=_passed_on(filename_or_obj, storage_options),
                 zarr_format=zarr_format,
                 use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
                 cache_members=cache_members,
@@ -454,14 +477,14 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             As for :meth:`open_dataset`; ``group`` is the root of the groups opened.
         """
         dev = _device.resolve_device(device)
-        source, group = _resolve_source(filename_or_obj, group, mode)
+        source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
         stores = _open_zarr_stores(
             source,
             group=parent,
             mode=mode,
             consolidated=consolidated,
-            storage_options=storage_options,
+            storage_options=_passed_on(filename_or_obj, storage_options),
             zarr_format=zarr_format,
             use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
             cache_members=cache_members,

@@ -471,6 +471,90 @@ def run(
     return results
 
 
+#: the loopback S3 server of the ``remote-*`` cases (started once, stopped at exit)
+_S3: dict[str, Any] = {}
+
+
+def _loopback_s3() -> dict[str, Any]:
+    """storage_options of a moto S3 server on 127.0.0.1 (a free port), started once."""
+    if not _S3:
+        import atexit
+        import socket
+
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        atexit.register(server.stop)
+        endpoint = f"http://127.0.0.1:{port}"
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="bench")
+        _S3.update(
+            key="bench",
+            secret="bench",
+            endpoint_url=endpoint,
+            client_kwargs={"region_name": "us-east-1"},
+        )
+    return _S3
+
+
+def _remote_contenders(path: Path) -> dict[str, Callable[[], Any]]:
+    """The case's store uploaded to the loopback S3 server; open + load of ``t`` over
+    the same URL: gds-zarr, and engine="zarr" (s3fs; obstore too when installed)
+    followed by cupy.asarray."""
+    import s3fs
+
+    options = _loopback_s3()
+    fs = s3fs.S3FileSystem(**options)
+    key = f"bench/{path.name}"
+    fs.put(str(path), key, recursive=True)
+    url = f"s3://{key}"
+
+    def ours() -> Any:
+        ds = xr.open_dataset(
+            url, engine="gds-zarr", device="cuda", consolidated=True, storage_options=options
+        )
+        return ds["t"].variable.data
+
+    def theirs() -> Any:
+        ds = xr.open_dataset(url, engine="zarr", consolidated=True, storage_options=options)
+        return _device.cupy().asarray(ds["t"].values)
+
+    out: dict[str, Callable[[], Any]] = {"gds-zarr": ours, "zarr": theirs}
+    try:
+        from obstore.store import S3Store
+        from zarr.storage import ObjectStore
+    except ImportError:
+        return out
+    obj = S3Store(
+        "bench",
+        prefix=path.name,
+        endpoint=options["endpoint_url"],
+        access_key_id="bench",
+        secret_access_key="bench",
+        region="us-east-1",
+        client_options={"allow_http": True},
+    )
+
+    def obstore_zarr() -> Any:
+        store: Any = ObjectStore(obj, read_only=True)
+        ds = xr.open_dataset(store, engine="zarr", consolidated=True)
+        return _device.cupy().asarray(ds["t"].values)
+
+    out["zarr (obstore)"] = obstore_zarr
+    return out
+
+
 CASES: dict[str, dict[str, Any]] = {
     "zstd-4MB": {
         "gpu": True,
@@ -602,6 +686,14 @@ CASES: dict[str, dict[str, Any]] = {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
             "zarr": lambda: _load_zarr(p, True),
         },
+    },
+    # issue 17: a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
+    "remote-s3-zstd-4MB": {
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _remote_contenders,
     },
     "host-small-chunks": {
         "gpu": False,

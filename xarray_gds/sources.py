@@ -28,7 +28,15 @@ import numpy as np
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 
-__all__ = ["LocalSource", "Source", "StoreSource", "join", "read", "source_for"]
+__all__ = [
+    "LocalSource",
+    "RemoteSource",
+    "Source",
+    "StoreSource",
+    "join",
+    "read",
+    "source_for",
+]
 
 
 class Source(Protocol):
@@ -158,11 +166,34 @@ def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
     return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
 
 
+class RemoteSource(StoreSource):
+    """Objects of a remote fsspec store (S3, HTTP(S)): on the host through the store's
+    ``get`` (as :class:`StoreSource`), on the device through kvikio's ``RemoteFile``
+    straight into the arena (:func:`xarray_gds.remote.read_device`)."""
+
+    kind = "remote"
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        if not on_device:
+            return StoreSource.read_all(sources, locations, on_device, slots)
+        from xarray_gds import remote
+
+        return remote.read_device([s.store for s in sources], list(locations))
+
+
 def source_for(store: Any) -> LocalSource | StoreSource:
     """The source of a zarr Store's chunk bytes."""
+    from xarray_gds import remote
     from xarray_gds.store import GdsStore
 
-    return LocalSource(store) if isinstance(store, GdsStore) else StoreSource(store)
+    if isinstance(store, GdsStore):
+        return LocalSource(store)
+    if remote.kvikio_target(store) is not None:
+        return RemoteSource(store)
+    return StoreSource(store)
 
 
 def read(
