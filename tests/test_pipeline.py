@@ -359,16 +359,31 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
     assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["", "part-0-server-late"])
 @pytest.mark.parametrize("route", ["box", "zarr"])
 def test_large_reads_overlap_fetch_and_decode(
-    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str, route: str
+    monkeypatch: pytest.MonkeyPatch, v3_store: Path, device: str, route: str, late: bool
 ) -> None:
     """A read split into parts fetches part k + 1 while part k decodes, whether it goes
-    through xarray_gds.region (a box) or through zarr's indexing and the pipeline."""
+    through xarray_gds.region (a box) or through zarr's indexing and the pipeline, and
+    whichever of the two part servers asks first (``late``: part 1's)."""
     import threading
+    import time
 
     if route == "zarr":
         monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
+    if late:
+        real_lead = coalesce.ReadEngine._lead_or_wait
+        delayed: set[int] = set()
+
+        def late_lead(self: Any, request: Any) -> None:
+            first_part = request.series is not None and request.keys[0] == "t2m/c/0/0/0"
+            if first_part and id(request) not in delayed:
+                delayed.add(id(request))
+                time.sleep(0.5)  # part 1's server asks first
+            real_lead(self, request)
+
+        monkeypatch.setattr(coalesce.ReadEngine, "_lead_or_wait", late_lead)
     monkeypatch.setattr(decode, "MIN_PART_BYTES", 1)
     monkeypatch.setenv("XARRAY_GDS_PIPELINE_PARTS", "3")
     fetch_started: list[threading.Event] = [threading.Event() for _ in range(3)]

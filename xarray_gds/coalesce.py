@@ -45,6 +45,10 @@ from xarray_gds.store import read_files_device, read_files_host
 __all__ = ["ReadEngine", "engine", "fetch_decode", "fetch_decode_many", "fetch_decode_parts"]
 
 
+class _Withdrawn(Exception):
+    """The error of a request its asker stopped waiting for (never raised to a user)."""
+
+
 @dataclass(eq=False)
 class _Request:
     chain: DecodeChain
@@ -57,6 +61,8 @@ class _Request:
     #: None reads each location whole
     ranges: tuple[np.ndarray, np.ndarray] | None = None
     series: object = None  #: the parts of one read share it: never in one group
+    #: the part before it of a read in parts: this one is not read before that is taken
+    after: "_Request | None" = None
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
     result: tuple[list[int], Any] | None = None
@@ -145,8 +151,8 @@ class ReadEngine:
             return
         requests = [_request(*item) for item in items]
         series = object()
-        for request in requests:
-            request.series = series
+        for before, request in zip([None, *requests], requests, strict=False):
+            request.series, request.after = series, before
         with self.cond:
             self.waiting.extend(requests)
         progress = threading.Condition()
@@ -197,11 +203,14 @@ class ReadEngine:
             server.result()
 
     def _withdraw(self, requests: list[_Request]) -> None:
-        """Interrupted: nobody is to read the requests not taken yet any more."""
+        """Interrupted: nobody is to read the requests not taken yet any more (a part
+        server waiting for one of them stops)."""
         with self.cond:
             for request in requests:
                 if not request.taken and request in self.waiting:
                     self.waiting.remove(request)
+                    request.error = _Withdrawn()
+            self.cond.notify_all()
 
     def _lead_or_wait(self, request: _Request) -> None:
         """Wait until ``request`` is served, or serve a group of requests (the first one
@@ -210,15 +219,11 @@ class ReadEngine:
         group: list[_Request] = []
         cond = self.cond
         with cond:
-            # wait while another thread reads, or serves this request, or two groups are
-            # decoding (at most two groups' bytes are alive at once)
-            while not request.done and (
-                request.taken or self.reader is not None or len(self.decoders) >= 2
-            ):
+            while self._must_wait(request):
                 cond.wait()
             if request.done:
                 return
-            group = self._take()
+            group = self._take(request)
             self.reader = token
         try:
             if group[0].on_device:
@@ -247,18 +252,37 @@ class ReadEngine:
                 self.decoders.discard(token)
                 cond.notify_all()
 
-    def _take(self) -> list[_Request]:
+    def _must_wait(self, request: _Request) -> bool:
+        """Whether the thread serving ``request`` waits: while another thread reads, or
+        serves this request, or two groups are decoding (at most two groups' bytes are
+        alive at once), or, for a part of a read in parts, until the part before it is
+        taken (parts are read in order, whichever part server asks first). Called with
+        ``cond`` held."""
+        if request.done:
+            return False
+        before = request.after
+        return (
+            request.taken
+            or self.reader is not None
+            or len(self.decoders) >= 2
+            or (before is not None and not (before.taken or before.done))
+        )
+
+    def _take(self, request: _Request) -> list[_Request]:
         """The waiting requests for the first one's side (the host, or its GPU) that fit
-        the batch budget together (the first one always), removed from the queue. Called
-        with ``cond`` held."""
-        first = self.waiting[0]
+        the batch budget together (the first one always), removed from the queue. The
+        first one is the oldest waiting, or, for a part of a read in parts, the leader's
+        own part (a part server reads its part, not what waits ahead of it). Called with
+        ``cond`` held."""
+        own = request.series is not None and not request.taken
+        first = request if own else self.waiting[0]
         with _on_gpu(first):
             budget = decode.budget(first.on_device)
         group: list[_Request] = []
         rest: list[_Request] = []
         total = 0
         series: set[int] = set()  # a read's parts go one a group (fetch_decode_parts)
-        for r in self.waiting:
+        for r in [first, *(r for r in self.waiting if r is not first)]:
             same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
             fits = not group or total + r.nbytes <= budget
             if same_side and fits and (r.series is None or id(r.series) not in series):
