@@ -62,7 +62,7 @@ class _Request:
     ranges: tuple[np.ndarray, np.ndarray] | None = None
     series: object = None  #: the parts of one read share it: never in one group
     #: the part before it of a read in parts: this one is not read before that is taken
-    after: "_Request | None" = None
+    after: _Request | None = None
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
     result: tuple[list[int], Any] | None = None
