@@ -13,6 +13,8 @@ requests of many threads and arrays into one read per kind of source:
 - :class:`StoreSource`, for any other zarr Store (``LocalStore``, ``MemoryStore``,
   ``FsspecStore``, ``ObjectStore``...): the store's own ``get``, every key of a batch
   in flight at once on zarr's event loop, then (on the device) one copy into an arena.
+- :class:`ReferenceSource`, for a :class:`~xarray_gds.refs.ReferenceStore` (kerchunk
+  references into NetCDF4/HDF5 files): byte ranges of the files, read as local ones.
 
 A remote source with device reads (kvikio's ``RemoteFile``) is one more class here; the
 engine does not change.
@@ -28,7 +30,7 @@ import numpy as np
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 
-__all__ = ["LocalSource", "Source", "StoreSource", "read", "source_for"]
+__all__ = ["LocalSource", "ReferenceSource", "Source", "StoreSource", "read", "source_for"]
 
 
 class Source(Protocol):
@@ -108,10 +110,36 @@ class StoreSource:
         return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
 
 
-def source_for(store: Any) -> LocalSource | StoreSource:
+class ReferenceSource:
+    """Chunks of a virtual Zarr store (:class:`~xarray_gds.refs.ReferenceStore`, kerchunk
+    references): byte ranges of the NetCDF4/HDF5 files they point at, read by kvikio
+    into one device arena or by ``pread`` on the host, and inline chunks."""
+
+    kind = "refs"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        resolve = self.store.resolve
+        return [resolve(key) for key in keys]
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        from xarray_gds.refs import read_references
+
+        return read_references(locations, on_device, [s.store for s in sources])
+
+
+def source_for(store: Any) -> LocalSource | StoreSource | ReferenceSource:
     """The source of a zarr Store's chunk bytes."""
+    from xarray_gds.refs import ReferenceStore
     from xarray_gds.store import GdsStore
 
+    if isinstance(store, ReferenceStore):
+        return ReferenceSource(store)
     return LocalSource(store) if isinstance(store, GdsStore) else StoreSource(store)
 
 
