@@ -224,6 +224,8 @@ class ReferenceStore(Store):
         if ref is None:
             return None
         data = ref.data if ref.data is not None else await asyncio.to_thread(self._read, ref)
+        if key.rsplit("/", 1)[-1] == ".zarray":
+            _check_codecs(key, data)
         if byte_range is not None:
             start, nbytes = _byte_span(len(data), byte_range)
             data = data[start : start + nbytes]
@@ -265,6 +267,31 @@ class ReferenceStore(Store):
         for name in sorted({str(n).rstrip("/").removeprefix(base) for n in names}):
             if name and "/" not in name:
                 yield name
+
+
+def _check_codecs(key: str, data: bytes) -> None:
+    """Raise a clear error for a Zarr v2 array whose filters or compressor have no
+    decoder here (HDF5 szip, or a plugin filter that no installed package registers
+    with numcodecs); zarr's own error names neither the array nor the file format."""
+    import numcodecs
+
+    try:
+        meta = json.loads(data)
+    except ValueError:
+        return
+    for codec in [*(meta.get("filters") or []), meta.get("compressor")]:
+        if not isinstance(codec, dict) or "id" not in codec:
+            continue
+        try:
+            numcodecs.get_codec(dict(codec))
+        except Exception as err:
+            name = key.rsplit("/", 1)[0] if "/" in key else "/"
+            raise ValueError(
+                f"variable {name!r} of the reference set uses the filter {codec['id']!r} "
+                f"({codec}), which has no decoder here ({err}). Install a package that "
+                "registers it with numcodecs (HDF5 plugin filters: hdf5plugin or "
+                "imagecodecs), or make the references without this variable."
+            ) from None
 
 
 def open_reference_store(
