@@ -389,7 +389,9 @@ def read_references(
 
     cp = _device.cupy()
     arrays: list[Any] = [None] * n
-    for i, (start, size) in enumerate(zip(batch.offsets.tolist(), batch.sizes.tolist())):
+    for i, (start, size) in enumerate(
+        zip(batch.offsets.tolist(), batch.sizes.tolist(), strict=True)
+    ):
         if size >= 0:
             arrays[i] = batch.arena[start : start + size]
     for i, data in extra.items():
