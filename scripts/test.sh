@@ -2,7 +2,7 @@
 # Sets up .venv and runs every check CI runs: lint, types, docs (strict), tests.
 # GPU tests are skipped without a GPU; XARRAY_GDS_REQUIRE_GPU=1 makes them fail instead.
 source "$(dirname "$0")/_env.sh"
-setup_venv "test,docs"
+setup_venv "test,docs,virtual"
 
 docs_strict() {
   # --strict fails on the warnings mkdocs counts (never add --quiet: it hides them from

@@ -214,11 +214,30 @@ def test_requests_of_one_side_are_served_together(store_factory: Callable) -> No
     with coalesce.engine().cond:
         coalesce.engine().waiting[:] = reqs
         try:
-            group = coalesce.engine()._take()
+            group = coalesce.engine()._take(reqs[2])  # the oldest first, whoever leads
             assert group == [reqs[0], reqs[2]]
             assert coalesce.engine().waiting == [reqs[1], reqs[3]]
         finally:
             coalesce.engine().waiting.clear()
+
+
+def test_a_part_server_reads_its_own_part_first(store_factory: Callable) -> None:
+    """The leader serving a part of a read in parts takes its own part first (with the
+    others that join it, one part of a series a group), not the oldest request."""
+    array = _open(store_factory(3, "zstd"))
+    chain = array.async_array.codec_pipeline.chain
+    other, *parts = [coalesce._Request(chain, ["k"], ["p"], False) for _ in range(3)]
+    series = object()
+    for part in parts:
+        part.series = series
+    engine = coalesce.engine()
+    with engine.cond:
+        engine.waiting[:] = [other, *parts]
+        try:
+            assert engine._take(parts[1]) == [parts[1], other]
+            assert engine.waiting == [parts[0]]
+        finally:
+            engine.waiting.clear()
 
 
 def test_many_threads_agree_with_zarr(

@@ -19,7 +19,7 @@ from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
-from xarray_gds import fuse, remote
+from xarray_gds import fuse, refs, remote
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.pipeline import use_gds_pipeline
@@ -420,6 +420,11 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
                 )
             zstore = store
         else:
+            if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
+                filename_or_obj, consolidated = refs.open_reference_store(
+                    filename_or_obj, mode, storage_options, consolidated
+                )
+                storage_options = None
             source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
             (zstore,) = _open_zarr_stores(
                 source,
@@ -477,6 +482,11 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             As for :meth:`open_dataset`; ``group`` is the root of the groups opened.
         """
         dev = _device.resolve_device(device)
+        if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
+            filename_or_obj, consolidated = refs.open_reference_store(
+                filename_or_obj, mode, storage_options, consolidated
+            )
+            storage_options = None
         source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
         stores = _open_zarr_stores(

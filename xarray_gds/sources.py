@@ -13,6 +13,8 @@ requests of many threads and arrays into one read per kind of source:
 - :class:`StoreSource`, for any other zarr Store (``LocalStore``, ``MemoryStore``,
   ``FsspecStore``, ``ObjectStore``...): the store's own ``get``, every key of a batch
   in flight at once on zarr's event loop, then (on the device) one copy into an arena.
+- :class:`ReferenceSource`, for a :class:`~xarray_gds.refs.ReferenceStore` (kerchunk
+  references into NetCDF4/HDF5 files): byte ranges of the files, read as local ones.
 
 A remote source with device reads (kvikio's ``RemoteFile``) is one more class here; the
 engine does not change.
@@ -30,6 +32,7 @@ from xarray_gds.batch import DeviceBatch
 
 __all__ = [
     "LocalSource",
+    "ReferenceSource",
     "RemoteSource",
     "Source",
     "StoreSource",
@@ -184,11 +187,55 @@ class RemoteSource(StoreSource):
         return remote.read_device([s.store for s in sources], list(locations))
 
 
-def source_for(store: Any) -> LocalSource | StoreSource:
+class ReferenceSource:
+    """Chunks of a virtual Zarr store (:class:`~xarray_gds.refs.ReferenceStore`, kerchunk
+    references): byte ranges of the NetCDF4/HDF5 files they point at, read by kvikio
+    into one device arena or by ``pread`` on the host, and inline chunks."""
+
+    kind = "refs"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        resolve = self.store.resolve
+        return [resolve(key) for key in keys]
+
+    @staticmethod
+    def read_all(
+        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+    ) -> Any:
+        from xarray_gds.refs import read_references
+
+        return read_references(locations, on_device, [s.store for s in sources])
+
+    @staticmethod
+    def read_ranges_all(
+        sources: Sequence[Any],
+        locations: list[Any],
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        on_device: bool,
+    ) -> Any:
+        """Byte ranges of referenced chunks (inner chunks of a shard a reference points
+        at): each reference narrowed to its range, then read as :meth:`read_all`."""
+        from xarray_gds.refs import narrow
+
+        narrowed = [
+            None if ref is None else narrow(ref, int(start), int(size))
+            for ref, start, size in zip(locations, starts.tolist(), sizes.tolist(), strict=True)
+        ]
+        return ReferenceSource.read_all(sources, narrowed, on_device, None)
+
+
+def source_for(store: Any) -> LocalSource | StoreSource | ReferenceSource:
     """The source of a zarr Store's chunk bytes."""
     from xarray_gds import remote
+    from xarray_gds.refs import ReferenceStore
     from xarray_gds.store import GdsStore
 
+    if isinstance(store, ReferenceStore):
+        return ReferenceSource(store)
     if isinstance(store, GdsStore):
         return LocalSource(store)
     if remote.kvikio_target(store) is not None:

@@ -302,6 +302,10 @@ def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain
         compressor = _numcodecs_compressor(meta.compressor)
         if compressor is None:
             return Unsupported(names, f"compressor {codec_name(meta.compressor)!r}")
+    elif filters and (last := _numcodecs_compressor(filters[-1])) is not None:
+        # a compressor given as the last filter, as kerchunk and VirtualiZarr describe
+        # HDF5 deflate ([Shuffle, Zlib], no compressor): the same bytes either way
+        compressor, filters = last, filters[:-1]
     planned: list[ByteFilter] = []
     for f in reversed(filters):  # decode order
         if isinstance(f, numcodecs.Shuffle):

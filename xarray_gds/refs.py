@@ -1,0 +1,414 @@
+"""Virtual Zarr stores over NetCDF4/HDF5 files: kerchunk reference sets.
+
+A reference set (kerchunk's JSON or Parquet format, or the dict in memory, as
+``kerchunk.hdf.SingleHdf5ToZarr``, ``kerchunk.combine.MultiZarrToZarr`` and
+VirtualiZarr's ``to_kerchunk`` write it) maps each Zarr key to its bytes: metadata and
+small chunks inline, other chunks as ``[url, offset, length]`` ranges of the original
+files. fsspec's ``ReferenceFileSystem`` loads the set (both formats, templates and
+generators); :class:`ReferenceStore` is a read-only zarr Store over it, and
+:class:`~xarray_gds.sources.ReferenceSource` hands the chunk ranges to the read engine,
+which reads them straight from the files (kvikio into device memory, or ``pread`` on
+the host; every range of a batch in flight) and decodes them in batches like any other
+Zarr chunk.
+
+Targets are local files (paths or ``file://`` URLs). Other URLs (``s3://``,
+``https://``...) are read through fsspec on the host, then copied to the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer
+
+from xarray_gds.batch import parallel
+
+if TYPE_CHECKING:
+    from zarr.core.buffer import BufferPrototype
+
+__all__ = [
+    "Reference",
+    "ReferenceStore",
+    "ReferenceTargetError",
+    "is_reference_set",
+    "open_reference_store",
+    "read_references",
+]
+
+_METADATA_KEYS = (".zgroup", ".zattrs", ".zarray", "zarr.json", ".zmetadata")
+
+
+class ReferenceTargetError(OSError):
+    """A reference points at bytes that cannot be read: a missing file, or a range
+    past its end (a truncated or replaced file).
+
+    Attributes
+    ----------
+    key : str
+        The Zarr key of the reference.
+    target : str
+        The file it points at.
+    """
+
+    def __init__(self, key: str, target: str, reason: str) -> None:
+        self.key = key
+        self.target = target
+        super().__init__(
+            f"reference {key!r} points at {target!r}: {reason}. The references no longer "
+            "match the file: restore the file, or make the references again (kerchunk, "
+            "VirtualiZarr) from the file as it is now."
+        )
+
+
+class Reference(NamedTuple):
+    """Where the bytes of one key are: ``data`` (inline), or ``size`` bytes at
+    ``offset`` of ``target`` (``size`` -1: the whole file)."""
+
+    key: str
+    target: str | None
+    offset: int
+    size: int
+    data: bytes | None = None
+    remote: bool = False
+
+
+def narrow(ref: Reference, start: int, size: int) -> Reference:
+    """The ``size`` bytes at ``start`` of what ``ref`` points at, as a reference; a range
+    past the end of the referenced bytes raises :class:`ReferenceTargetError`."""
+    held = len(ref.data) if ref.data is not None else ref.size
+    if start < 0 or size < 0 or (held >= 0 and start + size > held):
+        raise ReferenceTargetError(
+            ref.key,
+            ref.target or "(inline)",
+            f"the byte range {start}:{start + size} ends past its {held} referenced bytes",
+        )
+    if ref.data is not None:
+        return ref._replace(data=ref.data[start : start + size])
+    return ref._replace(offset=ref.offset + start, size=size)
+
+
+def _local_path(url: str) -> str | None:
+    """The local path of a target URL, or ``None`` for a remote one."""
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    if url.startswith("local://"):
+        return url[len("local://") :]
+    return None if "://" in url else url
+
+
+def _inline(value: Any) -> bytes:
+    """The bytes of an inline reference (kerchunk: text, or ``base64:``-prefixed)."""
+    if hasattr(value, "to_bytes"):
+        value = value.to_bytes()
+    if isinstance(value, str):
+        value = value.encode()
+    if value.startswith(b"base64:"):
+        return base64.b64decode(value[len(b"base64:") :])
+    return bytes(value)
+
+
+def _is_parquet_refs(path: Path) -> bool:
+    """A directory of kerchunk's Parquet references: its ``.zmetadata`` holds the
+    ``record_size`` of the reference files (a consolidated Zarr store's does not)."""
+    meta = path / ".zmetadata"
+    if not meta.is_file():
+        return False
+    try:
+        return "record_size" in json.loads(meta.read_bytes())
+    except (ValueError, OSError):
+        return False
+
+
+def is_reference_set(obj: Any) -> bool:
+    """Whether ``obj`` is a kerchunk reference set: a dict of references (``{"version":
+    1, "refs": {...}}`` or the references themselves), a ``.json`` file, or a directory
+    of Parquet references."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("refs"), dict):
+            return True
+        return any(k in obj or f"/{k}" in obj for k in _METADATA_KEYS)
+    if isinstance(obj, str | os.PathLike):
+        text = os.fspath(obj)
+        if text.startswith("reference://"):
+            return True
+        local = _local_path(text)
+        if local is None:
+            return text.endswith((".json", ".json.gz", ".json.zst"))
+        path = Path(local).expanduser()
+        if path.suffix == ".json":
+            return path.is_file()
+        return path.is_dir() and _is_parquet_refs(path)
+    return False
+
+
+class ReferenceStore(Store):
+    """A read-only zarr Store over a kerchunk reference set.
+
+    Parameters
+    ----------
+    refs : dict, str or os.PathLike
+        The references: a dict, a JSON file or a Parquet reference directory.
+    storage_options : dict, optional
+        Passed to ``fsspec.filesystem("reference", fo=refs, ...)``: e.g.
+        ``remote_protocol`` and ``remote_options`` for remote targets,
+        ``target_options`` for a remote JSON file, ``template_overrides``.
+    """
+
+    supports_writes = False
+    supports_deletes = False
+    supports_listing = True
+    supports_partial_writes = False
+
+    def __init__(self, refs: Any, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        super().__init__(read_only=True)
+        fo = os.fspath(refs) if isinstance(refs, os.PathLike) else refs
+        if isinstance(fo, str):
+            fo = fo.removeprefix("reference://") or fo
+            local = _local_path(fo)
+            if local is not None:
+                fo = str(Path(local).expanduser().resolve())
+        self._spec = (fo, dict(storage_options or {}))
+        options = {"skip_instance_cache": True, **self._spec[1]}
+        self.fs = fsspec.filesystem("reference", fo=fo, **options)
+        self._is_open = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self._spec}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(*state["spec"])  # type: ignore[misc]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ReferenceStore) and other.fs is self.fs
+
+    def __hash__(self) -> int:
+        return id(self.fs)
+
+    def __repr__(self) -> str:
+        fo = self._spec[0]
+        return f"ReferenceStore({fo if isinstance(fo, str) else '<dict>'!r})"
+
+    def with_read_only(self, read_only: bool = False) -> ReferenceStore:
+        if not read_only:
+            raise ValueError("a ReferenceStore is read-only: it cannot be opened for writing")
+        return self
+
+    # -- references ---------------------------------------------------------------
+    def resolve(self, key: str) -> Reference | None:
+        """Where the bytes of ``key`` are; ``None`` when the set has no such key."""
+        try:
+            part = self.fs.references[key]
+        except KeyError:
+            return None
+        if callable(part):
+            part = part()
+        if isinstance(part, str | bytes) or hasattr(part, "to_bytes"):
+            return Reference(key, None, 0, 0, _inline(part))
+        url = str(part[0])
+        offset, size = (0, -1) if len(part) == 1 else (int(part[1]), int(part[2]))
+        local = _local_path(url)
+        if local is None:
+            return Reference(key, url, offset, size, None, True)
+        return Reference(key, local, offset, size)
+
+    def _read(self, ref: Reference) -> bytes:
+        """The bytes of one reference (on the host)."""
+        if ref.data is not None:
+            return ref.data
+        got = read_references([ref], False, [self])[0]
+        assert got is not None
+        return got.tobytes()
+
+    # -- Store API ----------------------------------------------------------------
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        from xarray_gds.store import _byte_span
+
+        ref = self.resolve(key)
+        if ref is None:
+            return None
+        data = ref.data if ref.data is not None else await asyncio.to_thread(self._read, ref)
+        if key.rsplit("/", 1)[-1] == ".zarray":
+            _check_codecs(key, data)
+        if byte_range is not None:
+            start, nbytes = _byte_span(len(data), byte_range)
+            data = data[start : start + nbytes]
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        return self.resolve(key) is not None
+
+    async def set(self, key: str, value: Buffer) -> None:
+        raise ValueError(f"a ReferenceStore is read-only: cannot write {key!r}")
+
+    async def delete(self, key: str) -> None:
+        raise ValueError(f"a ReferenceStore is read-only: cannot delete {key!r}")
+
+    async def set_partial_values(self, key_start_values: Iterable[Any]) -> None:
+        raise ValueError("a ReferenceStore is read-only")
+
+    async def list(self) -> AsyncIterator[str]:
+        for key in list(self.fs.references):
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for key in list(self.fs.references):
+            if key.startswith(prefix):
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        prefix = prefix.strip("/")
+        try:
+            names = self.fs.ls(prefix, detail=False)
+        except FileNotFoundError:
+            return
+        base = f"{prefix}/" if prefix else ""
+        for name in sorted({str(n).rstrip("/").removeprefix(base) for n in names}):
+            if name and "/" not in name:
+                yield name
+
+
+def _check_codecs(key: str, data: bytes) -> None:
+    """Raise a clear error for a Zarr v2 array whose filters or compressor have no
+    decoder here (HDF5 szip, or a plugin filter that no installed package registers
+    with numcodecs); zarr's own error names neither the array nor the file format."""
+    import numcodecs
+
+    try:
+        meta = json.loads(data)
+    except ValueError:
+        return
+    for codec in [*(meta.get("filters") or []), meta.get("compressor")]:
+        if not isinstance(codec, dict) or "id" not in codec:
+            continue
+        try:
+            numcodecs.get_codec(dict(codec))
+        except Exception as err:
+            name = key.rsplit("/", 1)[0] if "/" in key else "/"
+            raise ValueError(
+                f"variable {name!r} of the reference set uses the filter {codec['id']!r} "
+                f"({codec}), which has no decoder here ({err}). Install a package that "
+                "registers it with numcodecs (HDF5 plugin filters: hdf5plugin or "
+                "imagecodecs), or make the references without this variable."
+            ) from None
+
+
+def open_reference_store(
+    refs: Any, mode: str, storage_options: dict[str, Any] | None, consolidated: bool | None
+) -> tuple[ReferenceStore, bool | None]:
+    """The store of a reference set, and the ``consolidated`` to open it with (``False``
+    unless asked: reference sets seldom hold consolidated metadata)."""
+    if mode != "r":
+        raise ValueError(
+            f"a kerchunk reference set is read-only: open it with mode='r', not {mode!r}"
+        )
+    store = ReferenceStore(refs, storage_options)
+    if consolidated is None and store.resolve(".zmetadata") is None:
+        consolidated = False
+    return store, consolidated
+
+
+def _check_local(refs: Sequence[Reference | None], sizes: np.ndarray) -> list[str]:
+    """The local target of each reference ("" for the others), each file ``stat``-ed
+    once: a missing file or a range past its end raises :class:`ReferenceTargetError`.
+    Whole-file references get the file's size in ``sizes``."""
+    paths = [""] * len(refs)
+    files: dict[str, int] = {}
+    for i, ref in enumerate(refs):
+        if ref is None or ref.data is not None or ref.remote:
+            continue
+        assert ref.target is not None
+        size = files.get(ref.target)
+        if size is None:
+            try:
+                size = files[ref.target] = os.stat(ref.target).st_size
+            except (FileNotFoundError, NotADirectoryError):
+                raise ReferenceTargetError(ref.key, ref.target, "the file does not exist") from None
+        want = size - ref.offset if ref.size < 0 else ref.size
+        if ref.offset < 0 or want < 0 or ref.offset + want > size:
+            raise ReferenceTargetError(
+                ref.key,
+                ref.target,
+                f"its {ref.size} bytes at offset {ref.offset} end past the end of the "
+                f"{size}-byte file (truncated, or not the file the references were made from)",
+            )
+        paths[i] = ref.target
+        sizes[i] = want
+    return paths
+
+
+def _read_remote(refs: Sequence[Reference | None], stores: Sequence[Any]) -> dict[int, bytes]:
+    """Remote references, through each store's fsspec reference filesystem."""
+    which = [i for i, r in enumerate(refs) if r is not None and r.remote]
+    got: dict[int, bytes] = {}
+
+    def one(j: int) -> None:
+        i = which[j]
+        ref = refs[i]
+        assert ref is not None and ref.target is not None
+        try:
+            got[i] = bytes(stores[i].fs.cat_file(ref.key))
+        except FileNotFoundError as err:
+            raise ReferenceTargetError(ref.key, ref.target, f"not found ({err})") from err
+
+    parallel(one, len(which), min_items=2)
+    return got
+
+
+def read_references(
+    refs: Sequence[Reference | None], on_device: bool, stores: Sequence[Any]
+) -> Any:
+    """The bytes of every reference (``None``: a key the set does not hold, read as a
+    missing chunk): one DeviceBatch when ``on_device``, else a list of uint8 arrays.
+
+    Local ranges are read by :func:`xarray_gds.store.read_ranges_device` (kvikio, or
+    staged through pinned memory for small ranges) or
+    :func:`~xarray_gds.store.read_ranges_host`; inline bytes are copied in, remote
+    ranges read through fsspec on the host.
+    """
+    from xarray_gds.store import read_ranges_device, read_ranges_host
+
+    n = len(refs)
+    starts = np.array([0 if r is None else r.offset for r in refs], dtype=np.int64)
+    sizes = np.full(n, -1, dtype=np.int64)
+    paths = _check_local(refs, sizes)
+    extra: dict[int, bytes] = {i: r.data for i, r in enumerate(refs) if r and r.data is not None}
+    if any(r is not None and r.remote for r in refs):
+        extra.update(_read_remote(refs, stores))
+    if not on_device:
+        out = read_ranges_host(paths, starts, sizes)
+        for i, data in extra.items():
+            out[i] = np.frombuffer(data, dtype=np.uint8)
+        return out
+    batch = read_ranges_device(paths, starts, sizes)
+    if not extra:
+        return batch
+    from xarray_gds import device as _device
+    from xarray_gds.codecs import nvcomp
+
+    cp = _device.cupy()
+    arrays: list[Any] = [None] * n
+    for i, (start, size) in enumerate(
+        zip(batch.offsets.tolist(), batch.sizes.tolist(), strict=True)
+    ):
+        if size >= 0:
+            arrays[i] = batch.arena[start : start + size]
+    for i, data in extra.items():
+        arrays[i] = cp.asarray(np.frombuffer(data, dtype=np.uint8))
+    return nvcomp.pack(arrays)
