@@ -438,6 +438,26 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "decode.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
 
 
+def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The netcdf-refs case on the host: its NetCDF4 file holds the bench store's values,
+    and every reader of it is timed."""
+    pytest.importorskip("netCDF4", reason="the netcdf-refs case writes NetCDF4 (test extra)")
+    pytest.importorskip("kerchunk", reason="the netcdf-refs case needs kerchunk (test extra)")
+    from xarray_gds import bench, bench_refs
+
+    store = bench.make_store(tmp_path / "s.zarr", 2 << 20, 256 << 10)
+    nc = bench_refs.write_netcdf(store, tmp_path / "s.nc")
+    got = xr.open_dataset(nc, engine="h5netcdf")["t"]
+    want = xr.open_dataset(store, engine="zarr")["t"]
+    np.testing.assert_array_equal(got.values, want.values)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--case", "host-netcdf-refs", "--size-gb", "0.1", "--repeat", "1"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    assert "gds-zarr vs the faster other" in capsys.readouterr().out
+    (result,) = json.loads(out_json.read_text())["results"]
+    assert set(result["seconds"]) == {"gds-zarr", "h5netcdf", "zarr"}
+
+
 def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) -> None:
     from xarray_gds import bench
 

@@ -25,7 +25,7 @@ import xarray as xr
 import zarr
 import zarr.codecs as zc
 
-from xarray_gds import bench_cluster
+from xarray_gds import bench_cluster, bench_refs
 from xarray_gds import device as _device
 
 __all__ = ["CASES", "Result", "make_store", "run"]
@@ -694,6 +694,23 @@ CASES: dict[str, dict[str, Any]] = {
         "repeat": 1,
         "store": {"chunk_bytes": 4 << 20},
         "contenders": _remote_contenders,
+    },
+    # issue 18: a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
+    "netcdf-refs": {
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_refs.contenders,
+        "note": bench_refs.note,
+    },
+    "host-netcdf-refs": {
+        "gpu": False,
+        "repeat": 1,
+        "scale": 0.02,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_refs.host_contenders,
+        "note": bench_refs.note,
     },
     "host-small-chunks": {
         "gpu": False,

@@ -141,3 +141,40 @@ class Usage:
     def time_zarr(self, paths: dict[str, str], case: str) -> None:
         self.contenders["zarr"]()
         bench._sync()
+
+
+class NetcdfRefs:
+    """A NetCDF4 file (zlib 1 + shuffle) read through its kerchunk references (issue
+    18): gds-zarr against h5netcdf and engine="zarr" over the same references, eager
+    and with ``chunks={}`` (the ``netcdf-refs`` case of ``xarray-gds bench``)."""
+
+    params: ClassVar[list[str]] = [
+        "gds-zarr",
+        "gds-zarr chunks={}",
+        "h5netcdf",
+        "zarr",
+        "h5netcdf chunks={}",
+        "zarr chunks={}",
+    ]
+    param_names: ClassVar[list[str]] = ["reader"]
+
+    def setup_cache(self) -> tuple[str, str]:
+        from xarray_gds import bench_refs
+
+        root = Path(tempfile.mkdtemp(prefix="xarray-gds-asv-"))
+        spec = bench.CASES["netcdf-refs"]
+        store = bench.make_store(root / "data.zarr", int(SIZE * 1e9), **spec["store"])
+        nc, refs = bench_refs.prepare(store)
+        return str(nc), str(refs)
+
+    def setup(self, files: tuple[str, str], reader: str) -> None:
+        if not cuda_status()[0]:
+            raise NotImplementedError("no GPU")
+        from xarray_gds import bench_refs
+
+        warnings.simplefilter("ignore")
+        self.load = bench_refs.readers(Path(files[0]), Path(files[1]))[reader]
+
+    def time_load(self, files: tuple[str, str], reader: str) -> None:
+        self.load()
+        bench._sync()
