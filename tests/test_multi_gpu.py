@@ -434,7 +434,10 @@ def test_bench_multi_gpu_case_runs(
     import json
 
     from xarray_gds import bench, cli
+    from xarray_gds import device as _device
 
+    if _device.cuda_status()[0]:
+        pytest.importorskip("dask_cuda", reason="on a GPU the case runs dask_cuda clusters")
     spec = bench.CASES["multi-gpu-mfdataset"]
     assert spec["stores"] >= 50 and spec.get("named_only")
     monkeypatch.setitem(spec, "stores", 6)  # tiny: 6 stores of 16 KiB chunks

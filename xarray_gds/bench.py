@@ -704,6 +704,14 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": bench_refs.contenders,
         "note": bench_refs.note,
     },
+    "netcdf-refs-1MiB": {  # the same with 1 MiB chunks (nvCOMP deflate: per-chunk bound)
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 1 << 20},
+        "contenders": bench_refs.contenders,
+        "note": bench_refs.note,
+    },
     "host-netcdf-refs": {
         "gpu": False,
         "repeat": 1,
