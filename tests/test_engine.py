@@ -522,3 +522,68 @@ def test_sources_read_mixed_kinds_in_key_order(v3_store: Path) -> None:
     for key, data in zip(keys[:4], got[:4], strict=True):
         assert bytes(data) == (v3_store / key).read_bytes()
     assert got[4] is None  # missing everywhere
+
+
+def test_merge_ranges_joins_ranges_of_one_key_across_small_gaps() -> None:
+    from types import SimpleNamespace
+
+    from xarray_gds import sources
+
+    a, b = SimpleNamespace(store=object()), SimpleNamespace(store=object())
+    srcs = [a, a, a, b, a, a]
+    locations = ["s/c/0", "s/c/0", "s/c/0", "s/c/0", "s/c/1", "s/c/0"]
+    starts = np.array([100, 0, 40, 0, 0, 5000])
+    sizes = np.array([50, 30, 20, 10, 8, 10])
+    spans = sources.merge_ranges(srcs, locations, starts, sizes, gap=50)
+    got = sorted((locations[f], srcs[f] is a, s, e, sorted(m)) for f, s, e, m in spans)
+    assert got == [
+        ("s/c/0", False, 0, 10, [3]),  # another store's key of the same name: apart
+        ("s/c/0", True, 0, 150, [0, 1, 2]),  # gaps of 10 and 40 bytes: one request
+        ("s/c/0", True, 5000, 5010, [5]),  # 4850 bytes on: its own
+        ("s/c/1", True, 0, 8, [4]),
+    ]
+    # gap 0: only ranges that touch or overlap
+    touching = sources.merge_ranges(
+        [a, a, a], ["k"] * 3, np.array([0, 10, 25]), np.array([10, 10, 5]), 0
+    )
+    assert sorted((s, e) for _, s, e, _ in touching) == [(0, 20), (25, 30)]
+
+
+def test_sharded_reads_from_a_store_join_inner_chunk_ranges(
+    store_factory: Callable, device: str
+) -> None:
+    """Inner chunks of a shard read through a zarr Store's ``get``: one request a shard
+    (they are written one after the other), for the bytes of the inner chunks a
+    selection needs; values as zarr's."""
+    from zarr.abc.store import RangeByteRequest
+    from zarr.storage import LocalStore
+
+    path = store_factory(3, "sharded")
+    requests: list[tuple[str, Any]] = []
+
+    class Counting(LocalStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if key.startswith("t2m/c/") and isinstance(byte_range, RangeByteRequest):
+                requests.append((key, byte_range))
+            return await super().get(key, prototype, byte_range)
+
+    gds = xr.open_dataset(Counting(path, read_only=True), engine="gds-zarr", device=device)
+    ref = xr.open_dataset(path, engine="zarr")
+    xr.testing.assert_identical(to_numpy(gds.load()), ref.load())
+    per_shard: dict[str, int] = {}
+    for key, _ in requests:
+        per_shard[key] = per_shard.get(key, 0) + 1
+    arr = zarr.open_array(path / "t2m", mode="r")
+    n_inner = int(np.prod([s // c for s, c in zip(arr.shards, arr.chunks, strict=True)]))
+    assert n_inner > 1 and per_shard and max(per_shard.values()) == 1
+
+    # the first time chunk of each shard (half its inner chunks, stored first): one
+    # request a shard, for less than the shard's bytes
+    requests.clear()
+    gds = xr.open_dataset(Counting(path, read_only=True), engine="gds-zarr", device=device)
+    part = gds.t2m[: arr.chunks[0]].load()
+    xr.testing.assert_identical(to_numpy(part), ref.t2m[: arr.chunks[0]].load())
+    keys = [k for k, _ in requests]
+    assert keys and len(keys) == len(set(keys))
+    for key, span in requests:
+        assert span.end - span.start < (path / key).stat().st_size

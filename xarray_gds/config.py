@@ -55,6 +55,7 @@ KNOBS: dict[str, Knob] = {
         Knob("batched_host_writes", bool, False, "host values take the batched encoder"),
         Knob("staging_bytes", int, 1 << 30, "pinned host staging kept between reads"),
         Knob("read_ahead_bytes", int, 1 << 30, "values read ahead for a loop over variables"),
+        Knob("range_gap", int, 1 << 20, "byte gap across which a store's ranges are joined"),
         Knob("route", str, "auto", "decode route of device reads: auto, gpu or host"),
         Knob("route_constants", str, "", "cost-model constants (see xarray-gds calibrate)"),
         Knob("fuse_dask", bool, True, "read a computation's dask blocks in joined batches"),

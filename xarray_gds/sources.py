@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 
@@ -37,6 +38,7 @@ __all__ = [
     "Source",
     "StoreSource",
     "join",
+    "merge_ranges",
     "read",
     "source_for",
 ]
@@ -138,26 +140,68 @@ class StoreSource:
         sizes: np.ndarray,
         on_device: bool,
     ) -> Any:
-        """Byte ranges of keys through the stores' ``get`` (all in flight at once)."""
+        """Byte ranges of keys through the stores' ``get``: ranges of one key less than
+        ``xarray_gds.range_gap`` bytes apart are read as one request (the inner chunks
+        of a shard, most often: one request a shard), all requests in flight at once."""
         import zarr
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import cpu
         from zarr.core.common import concurrent_map
         from zarr.core.sync import sync
 
-        async def one(i: int) -> Any:
-            start = int(starts[i])
-            request = RangeByteRequest(start, start + int(sizes[i]))
-            got = await sources[i].store.get(
-                locations[i], prototype=cpu.buffer_prototype, byte_range=request
+        spans = merge_ranges(sources, locations, starts, sizes, config.get("range_gap"))
+        found: list[np.ndarray | None] = [None] * len(locations)
+
+        async def one(k: int) -> None:
+            first, start, end, members = spans[k]
+            got = await sources[first].store.get(
+                locations[first],
+                prototype=cpu.buffer_prototype,
+                byte_range=RangeByteRequest(start, end),
             )
-            return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
+            if got is None:
+                return
+            data = np.asarray(got.as_numpy_array()).view(np.uint8)
+            for i in members:  # each range's own bytes (a view), as long as it asked
+                at = int(starts[i]) - start
+                found[i] = data[at : at + int(sizes[i])]
 
-        async def every() -> list[Any]:
+        async def every() -> None:
             limit = zarr.config.get("async.concurrency")
-            return list(await concurrent_map([(i,) for i in range(len(locations))], one, limit))
+            await concurrent_map([(k,) for k in range(len(spans))], one, limit)
 
-        return _on_side(sync(every()), on_device)
+        sync(every())
+        return _on_side(found, on_device)
+
+
+def merge_ranges(
+    sources: Sequence[Any],
+    locations: Sequence[Any],
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    gap: int,
+) -> list[tuple[int, int, int, list[int]]]:
+    """Requests for byte ranges ``[starts[i], starts[i] + sizes[i])`` of
+    ``locations[i]``: ``(first, start, end, members)``, one for each run of ranges of
+    the same location and store that are less than ``gap`` bytes apart (overlapping
+    ranges included); ``first`` is a member whose location and store the request
+    reads. ``gap`` 0 merges only ranges that touch or overlap."""
+    order = sorted(
+        range(len(locations)),
+        key=lambda i: (id(sources[i].store), str(locations[i]), int(starts[i])),
+    )
+    spans: list[tuple[int, int, int, list[int]]] = []
+    for i in order:
+        start, end = int(starts[i]), int(starts[i]) + int(sizes[i])
+        if spans:
+            first, s0, e0, members = spans[-1]
+            same = sources[first].store is sources[i].store and locations[first] == locations[i]
+            if same and start <= e0 + gap:
+                members.append(i)
+                spans[-1] = (first, s0, max(e0, end), members)
+                continue
+        spans.append((i, start, end, [i]))
+    return spans
 
 
 def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
