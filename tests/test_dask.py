@@ -242,3 +242,34 @@ def test_device_blocks_evaluate_each_slice(v3_store: Path) -> None:
     assert clone.shape == blocks.shape and clone.dtype == blocks.dtype
     lazy = da.from_array(clone, chunks=(4, 4, 5), asarray=False, meta=np.empty((0, 0, 0)))
     np.testing.assert_array_equal(lazy.compute(), want)
+
+
+def test_unpickled_dataset_joins_block_reads_in_a_fresh_process(
+    v3_store: Path, tmp_path: Path
+) -> None:
+    """A dataset opened in another process (as the workers of open_mfdataset(parallel=
+    True) open theirs) and unpickled in a fresh one: dask's array optimization there is
+    the joining pass, and the values are zarr's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("dask")
+    ds = xr.open_dataset(v3_store, engine="gds-zarr", device="cpu", chunks={})
+    pickled = tmp_path / "ds.pickle"
+    pickled.write_bytes(pickle.dumps(ds))
+    reference = tmp_path / "ref.npy"
+    np.save(reference, xr.open_dataset(v3_store, engine="zarr").t2m.values)
+    script = (
+        "import pickle, sys, dask, numpy as np\n"
+        "ds = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "print(type(dask.config.get('array_optimize', None)).__name__)\n"
+        "np.testing.assert_array_equal(ds.t2m.values, np.load(sys.argv[2]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(pickled), str(reference)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "_Optimizer"

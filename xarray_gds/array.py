@@ -80,13 +80,10 @@ class GdsBackendArray(BackendArray):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # (unpickling imports the package, whose backend installs xarray_gds.fuse: a
+        # dataset opened in another process joins its blocks' reads here too)
         for name, value in state.items():
             setattr(self, name, value)
-        # a dataset opened elsewhere (open_mfdataset(parallel=True) under distributed
-        # opens the stores on the workers) joins its blocks' reads in this process too
-        from xarray_gds import fuse
-
-        fuse.install()
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         if self._ahead is not None:

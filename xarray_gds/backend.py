@@ -27,6 +27,11 @@ from xarray_gds.store import GdsStore
 
 __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
 
+# dask blocks of xarray-gds arrays read in joined batches (xarray_gds.fuse) in every
+# process that imports the package: also where arrays only arrive pickled (the workers'
+# datasets of open_mfdataset(parallel=True) under distributed, unpickled on the client)
+fuse.install()
+
 _ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
 
 
@@ -234,7 +239,7 @@ def _dataset_from_store(
     use_cftime: Any,
     decode_timedelta: Any,
 ) -> xr.Dataset:
-    fuse.install()  # dask blocks of these arrays read in joined batches (xarray_gds.fuse)
+    fuse.install()  # again, should dask's configuration have been reset since import
     raw_vars, attrs = zstore.load()
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given
