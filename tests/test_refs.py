@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
+from packaging.version import Version
 
 h5py = pytest.importorskip("h5py", reason="HDF5 reference tests need h5py (test extra)")
 netCDF4 = pytest.importorskip("netCDF4", reason="NetCDF reference tests need netCDF4")
@@ -219,7 +221,10 @@ def test_group_and_datatree(nc_file: Path, device: str) -> None:
     refs = kerchunk_refs(nc_file)
     got = open_gds(refs, device, group="ocean").load()
     assert_on(got, device)
-    xr.testing.assert_identical(got.as_numpy(), open_zarr_refs(refs, group="ocean").load())
+    if Version(zarr.__version__) >= Version("3.4"):
+        # engine="zarr" over the references opens this group with no variables with
+        # zarr 3.3 (the lowest version claimed): compared with h5netcdf only there
+        xr.testing.assert_identical(got.as_numpy(), open_zarr_refs(refs, group="ocean").load())
     # kerchunk names the group's own dimension by its HDF5 path
     ref = xr.open_dataset(nc_file, engine="h5netcdf", group="ocean").load()
     xr.testing.assert_identical(got.as_numpy().rename({"ocean/depth": "depth"}), ref)
