@@ -273,3 +273,192 @@ def test_fsspec_and_object_store_objects(s3, s3_store):
     )
     store = zarr.storage.ObjectStore(obj, read_only=True)
     xr.testing.assert_identical(xr.open_dataset(store, engine="gds-zarr", device="cpu").load(), ref)
+
+
+# --- faults: connections cut, slow or refused servers (issue 17, item 5) ---------------
+
+#: requests under this path are the faulty ones (chunks of ``t``); metadata and the
+#: other variables are served as they are, so that the store opens
+_FAULTY = "/one.zarr/t/"
+
+
+class _FaultServer(http.server.ThreadingHTTPServer):
+    """The files of ``root`` (byte ranges as :class:`_RangeHandler`) with a fault for
+    the first ``times`` requests of each path under :data:`_FAULTY` (every request
+    when ``times`` is None): ``"truncate"`` sends the headers with the full
+    Content-Length, then half the body, then closes the connection; ``"slow"`` answers
+    after ``delay`` seconds; ``"forbid"`` answers 403."""
+
+    daemon_threads = True  # a handler still asleep does not hold up the stop
+
+    def __init__(self, root: Path, fault: str, times: int | None = None, delay: float = 0.0):
+        self.root, self.fault, self.times, self.delay = root, fault, times, delay
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        super().__init__(("127.0.0.1", _free_port()), _FaultHandler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/one.zarr"
+
+    def fault_for(self, path: str) -> str | None:
+        """The fault of this request (``None``: serve it), counting the path's requests."""
+        if not path.startswith(_FAULTY):
+            return None
+        with self.lock:
+            seen = self.counts.get(path, 0)
+            self.counts[path] = seen + 1
+        return self.fault if self.times is None or seen < self.times else None
+
+    def stop(self) -> None:
+        self.stopping.set()  # wakes the slow handlers
+        self.shutdown()
+        self.server_close()
+        self.thread.join(5)
+
+    def finish_request(self, request, client_address):  # the root is the server's
+        _FaultHandler(request, client_address, self, directory=str(self.root))
+
+
+class _FaultHandler(_RangeHandler):
+    # HTTP/1.0 (the default): one request per connection, so that a stopped server
+    # leaves no kept-alive connection behind that would still answer
+    server: _FaultServer
+
+    def do_GET(self):
+        fault = self.server.fault_for(self.path)
+        if fault == "slow":
+            if self.server.stopping.wait(self.server.delay):
+                return
+        elif fault == "forbid":
+            self.send_error(403)
+            return
+        elif fault == "truncate":
+            body = self.send_head()  # the headers, with the full Content-Length
+            if body is not None:
+                data = body.read()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+            return
+        super().do_GET()
+
+
+@pytest.fixture(scope="module")
+def fault_root(tmp_path_factory):
+    """An HTTP store whose ``t`` chunks are stored raw (no compressor), so that a
+    short body could only be caught by the read, not by a decoder."""
+    root = tmp_path_factory.mktemp("faults")
+    encoding = {"t": {"chunks": (2, 4, 5), "compressors": None}, "n": {"chunks": (4, 5)}}
+    _dataset().to_zarr(root / "one.zarr", mode="w", encoding=encoding, consolidated=True)
+    return root
+
+
+@pytest.fixture
+def faulty(fault_root):
+    """Start fault servers over ``fault_root``; all stopped when the test ends."""
+    servers: list[_FaultServer] = []
+
+    def start(fault: str, times: int | None = None, delay: float = 0.0) -> _FaultServer:
+        servers.append(_FaultServer(fault_root, fault, times, delay))
+        return servers[-1]
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _t_keys(server: _FaultServer) -> dict[str, int]:
+    return {p: n for p, n in server.counts.items() if p.startswith(_FAULTY)}
+
+
+def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException]) -> None:
+    """The chunk the error names was asked for 3 times, no chunk more (the first
+    failure cancels the reads still going)."""
+    import re
+
+    from xarray_gds import remote
+
+    key = re.search(r"chunk '([^']+)'", str(err.value)).group(1)
+    counts = _t_keys(server)
+    assert counts[f"/one.zarr/{key}"] == remote.READ_ATTEMPTS
+    assert max(counts.values()) == remote.READ_ATTEMPTS
+
+
+def test_truncated_bodies_are_tried_again(faulty, fault_root):
+    from xarray_gds import remote
+
+    server = faulty("truncate", times=remote.READ_ATTEMPTS - 1)
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu").load()
+    ref = xr.open_dataset(fault_root / "one.zarr", engine="zarr").load()
+    xr.testing.assert_identical(ours, ref)
+    counts = _t_keys(server)
+    assert len(counts) == 12  # every chunk of t: 3 x 2 x 2
+    assert set(counts.values()) == {remote.READ_ATTEMPTS}  # two cut, the third whole
+
+
+def test_truncated_bodies_for_good_raise(faulty):
+    server = faulty("truncate")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    xr.testing.assert_identical(ds.n.load(), xr.open_dataset(server.url, engine="zarr").n.load())
+    with pytest.raises(
+        ConnectionError,
+        match=rf"chunk 't/c/\d/\d/\d' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the connection was closed before the whole object came \(no partial bytes were "
+        r"used\): check the server and the network",
+    ) as err:
+        ds.t.load()
+    _tries_bounded(server, err)
+
+
+def test_forbidden_chunk_is_not_tried_again(faulty):
+    server = faulty("forbid")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    with pytest.raises(
+        PermissionError,
+        match=r"chunk 't/c/\d/\d/\d' of the remote Zarr store '.*/one.zarr': "
+        r"access denied \(HTTP 403\): check the credentials",
+    ):
+        ds.t.load()
+    assert set(_t_keys(server).values()) == {1}  # a 403 does not go away: asked once
+
+
+def test_slow_server_times_out(faulty):
+    aiohttp = pytest.importorskip("aiohttp")
+    server = faulty("slow", delay=2.0)
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    with pytest.raises(
+        TimeoutError,
+        match=r"chunk 't/c/\d/\d/\d' of .*/one.zarr' after 3 tries: the server was too slow.*"
+        r"client_kwargs=\{'timeout': aiohttp.ClientTimeout\(total=...\)\}",
+    ) as err:
+        ds.t.load()
+    _tries_bounded(server, err)
+
+
+def test_slow_answer_once_is_tried_again(faulty, fault_root):
+    aiohttp = pytest.importorskip("aiohttp")
+    server = faulty("slow", times=1, delay=2.0)
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    ref = xr.open_dataset(fault_root / "one.zarr", engine="zarr")
+    xr.testing.assert_identical(ours.load(), ref.load())
+    assert set(_t_keys(server).values()) == {2}
+
+
+def test_server_gone_after_open(faulty):
+    server = faulty("none")  # no fault: a plain server, stopped after the open
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    server.stop()
+    with pytest.raises(
+        ConnectionError,
+        match=rf"chunk '(t|n)/c/[\d/]+' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the server cannot be reached.*check that it is up and the URL",
+    ):
+        ds.load()
