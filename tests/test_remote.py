@@ -462,3 +462,119 @@ def test_server_gone_after_open(faulty):
         r"the server cannot be reached.*check that it is up and the URL",
     ):
         ds.load()
+
+
+# --- credentials never appear -------------------------------------------------------
+
+LEAK = "SECRET-abc123"
+
+
+def test_credentials_never_appear(tmp_path, caplog, capsys):
+    """An S3 secret key through every surface: reprs of the dataset, store and backend
+    arrays, ``xarray-gds info`` (output and errors), the logs at DEBUG, and the error
+    of a read whose server went away."""
+    import logging
+
+    from xarray_gds import cli
+    from xarray_gds.backend import open_store
+
+    caplog.set_level(logging.DEBUG)  # every logger: ours, s3fs, botocore, aiohttp
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
+    server.start()
+    try:
+        endpoint = "http://127.0.0.1:{}".format(server._server.server_address[1])
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=LEAK,
+            region_name="us-east-1",
+        ).create_bucket(Bucket="creds")
+        options = {
+            "key": KEY,
+            "secret": LEAK,
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+        }
+        url = "s3://creds/one.zarr"
+        _dataset().to_zarr(url, storage_options=options, mode="w", consolidated=False)
+
+        ds = xr.open_dataset(url, engine="gds-zarr", storage_options=options, device="cpu")
+        store = open_store(url, storage_options=options)
+        texts = [repr(ds), str(ds), repr(store), repr(ds.t.variable._data), str(ds.t.encoding)]
+        backend = ds.t.variable._data
+        while not type(backend).__module__.startswith("xarray_gds"):  # xarray's wrappers
+            backend = backend.array
+        slots = type(backend).__slots__  # its zarr array (and through it the store)
+        texts += [repr(backend), *(repr(getattr(backend, n, None)) for n in slots)]
+
+        argv = ["info", url, "--storage-option", f"key={KEY}", "--storage-option"]
+        argv += [f"secret={LEAK}", "--storage-option", f"endpoint_url={endpoint}"]
+        argv += ["--storage-option", "client_kwargs.region_name=us-east-1"]
+        assert cli.main(argv) == 0
+        out = capsys.readouterr()
+        assert "store:        s3://creds/one.zarr\n" in out.out
+        assert "\n/t\n  shape       (6, 8, 10)\n" in out.out  # it read the metadata
+        texts += [out.out, out.err]
+
+        bad = argv[:3] + [f"key={KEY}", "--storage-option", f"secret={LEAK}"]
+        bad += ["--storage-option", f"endpoint_url=http://127.0.0.1:{_free_port()}"]
+        bad += ["--storage-option", "config_kwargs.retries.max_attempts=1"]
+        assert cli.main(bad) == 2
+        err = capsys.readouterr().err
+        assert "s3://creds/one.zarr" in err and "endpoint cannot be reached" in err
+        texts.append(err)
+    finally:
+        server.stop()
+
+    with pytest.raises(
+        ConnectionError,
+        match=r"chunk '(t|n)/c/[\d/]+' of the remote Zarr store 's3://creds/one.zarr': the "
+        r"server cannot be reached.*endpoint_url",
+    ) as gone:
+        ds.load()
+    texts += [str(gone.value), repr(gone.value), caplog.text]
+    assert caplog.records  # the logs were captured
+    for text in texts:
+        assert LEAK not in text
+    for text in texts[:-1]:  # botocore's own debug log shows the access key id
+        assert KEY not in text
+
+
+def test_http_header_secret_never_in_retry_logs(faulty, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="xarray_gds")
+    options = {"headers": {"Authorization": f"Bearer {LEAK}"}}
+    server = faulty("truncate")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    with pytest.raises(ConnectionError, match=r"after 3 tries") as err:
+        ds.t.load()
+    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.remote"]
+    assert any("try 1 of 3 failed (ClientPayloadError" in m for m in retries)
+    for text in [*retries, caplog.text, str(err.value), repr(ds), repr(ds.t.variable._data)]:
+        assert LEAK not in text
+
+
+def test_info_storage_options_parsed(http_root, capsys):
+    from xarray_gds import cli
+
+    parsed = cli._storage_options(
+        ["anon=true", "client_kwargs.region_name=eu-west-1", "secret=12345", 'n={"a": 1}']
+    )
+    assert parsed == {
+        "anon": True,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "secret": "12345",  # a secret stays a string
+        "n": {"a": 1},
+    }
+    # a timeout in seconds becomes aiohttp's ClientTimeout for an http(s) URL
+    url = f"{http_root}/one.zarr"
+    assert cli.main(["info", url, "--storage-option", "client_kwargs.timeout=5"]) == 0
+    assert f"store:        {url}\n" in capsys.readouterr().out
+    assert cli.main(["info", url, "--storage-option", LEAK]) == 2
+    err = capsys.readouterr().err
+    assert "--storage-option takes KEY=VALUE" in err and LEAK not in err

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 REMOTE_SCHEMES = ("s3", "s3a", "http", "https")
 
 #: storage_options keys whose values are secrets
-_SECRET_KEYS = (
+SECRET_KEYS = (
     "key",
     "secret",
     "token",
@@ -38,6 +38,7 @@ _SECRET_KEYS = (
     "aws_secret_access_key",
     "aws_session_token",
     "password",
+    "authorization",  # an HTTP header, e.g. storage_options={"headers": {...}}
 )
 
 
@@ -50,7 +51,7 @@ def is_remote_url(text: str) -> bool:
 def _secrets(storage_options: dict[str, Any] | None) -> list[str]:
     found: list[str] = []
     for name, value in (storage_options or {}).items():
-        if name in _SECRET_KEYS and isinstance(value, str) and value:
+        if str(name).lower() in SECRET_KEYS and isinstance(value, str) and value:
             found.append(value)
         elif isinstance(value, dict):
             found.extend(_secrets(value))
@@ -61,6 +62,8 @@ def redact(text: str, storage_options: dict[str, Any] | None) -> str:
     """``text`` with every credential of ``storage_options`` replaced by ``***``."""
     for secret in sorted(_secrets(storage_options), key=len, reverse=True):
         text = text.replace(secret, "***")
+        if secret.lower().startswith(("bearer ", "basic ")):  # the token alone, too
+            text = text.replace(secret.split(" ", 1)[1], "***")
     return text
 
 
@@ -94,6 +97,20 @@ def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSErro
     return OSError(_fail(url, options, "reading its metadata failed", err))
 
 
+def _with_timeout(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with an HTTP ``client_kwargs`` ``timeout`` given in seconds (as the
+    command line gives it) made the ``aiohttp.ClientTimeout(total=...)`` aiohttp takes."""
+    kwargs = options.get("client_kwargs")
+    if not url.lower().startswith(("http://", "https://")) or not isinstance(kwargs, dict):
+        return options
+    timeout = kwargs.get("timeout")
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        import aiohttp
+
+        options["client_kwargs"] = dict(kwargs, timeout=aiohttp.ClientTimeout(total=timeout))
+    return options
+
+
 def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: bool = True) -> Any:
     """A zarr :class:`~zarr.storage.FsspecStore` for a remote ``url``, checked to hold a
     Zarr store (root metadata present) when ``read_only``.
@@ -111,7 +128,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     from zarr.core.sync import sync
     from zarr.storage import FsspecStore
 
-    options = dict(storage_options or {})
+    options = _with_timeout(url, dict(storage_options or {}))
     try:
         store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as err:
