@@ -482,7 +482,7 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
     server.start()
     try:
-        endpoint = "http://127.0.0.1:{}".format(server._server.server_address[1])
+        endpoint = f"http://127.0.0.1:{server._server.server_address[1]}"
         import boto3
 
         boto3.client(
@@ -520,7 +520,7 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
         assert "\n/t\n  shape       (6, 8, 10)\n" in out.out  # it read the metadata
         texts += [out.out, out.err]
 
-        bad = argv[:3] + [f"key={KEY}", "--storage-option", f"secret={LEAK}"]
+        bad = [*argv[:3], f"key={KEY}", "--storage-option", f"secret={LEAK}"]
         bad += ["--storage-option", f"endpoint_url=http://127.0.0.1:{_free_port()}"]
         bad += ["--storage-option", "config_kwargs.retries.max_attempts=1"]
         assert cli.main(bad) == 2

@@ -667,7 +667,8 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        A pair without ``=``; the message names it (never its value: it may be a secret).
+        A pair without ``=`` or without a key (the message does not repeat the pair:
+        it may be a secret).
     """
     import json
 
@@ -682,9 +683,7 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             )
         *parents, last = name.split(".")
         value: Any = text
-        if (
-            last.lower() not in remote.SECRET_KEYS
-        ):  # a secret stays a string, whatever it looks like
+        if last.lower() not in remote.SECRET_KEYS:  # a secret stays a string, always
             with contextlib.suppress(ValueError):
                 value = json.loads(text)
         where = options
