@@ -277,22 +277,29 @@ def test_fsspec_and_object_store_objects(s3, s3_store):
 
 # --- faults: connections cut, slow or refused servers (issue 17, item 5) ---------------
 
-#: requests under this path are the faulty ones (chunks of ``t``); metadata and the
-#: other variables are served as they are, so that the store opens
-_FAULTY = "/one.zarr/t/"
-
 
 class _FaultServer(http.server.ThreadingHTTPServer):
     """The files of ``root`` (byte ranges as :class:`_RangeHandler`) with a fault for
-    the first ``times`` requests of each path under :data:`_FAULTY` (every request
-    when ``times`` is None): ``"truncate"`` sends the headers with the full
-    Content-Length, then half the body, then closes the connection; ``"slow"`` answers
-    after ``delay`` seconds; ``"forbid"`` answers 403."""
+    the first ``times`` requests of each chunk of ``t`` in ``store`` (every request
+    when ``times`` is None; metadata and the other variables are served as they are,
+    so that the store opens): ``"truncate"`` sends the headers with the full
+    Content-Length, then half the body, then closes the connection; ``"short"``
+    answers a byte range that does not reach the end of the object (inner chunks of a
+    shard, not its index) with half the bytes asked for, and a Content-Length that
+    says so; ``"slow"`` answers after ``delay`` seconds; ``"forbid"`` answers 403."""
 
     daemon_threads = True  # a handler still asleep does not hold up the stop
 
-    def __init__(self, root: Path, fault: str, times: int | None = None, delay: float = 0.0):
+    def __init__(
+        self,
+        root: Path,
+        fault: str,
+        times: int | None = None,
+        delay: float = 0.0,
+        store: str = "one.zarr",
+    ):
         self.root, self.fault, self.times, self.delay = root, fault, times, delay
+        self.store, self.prefix = store, f"/{store}/t/"
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -302,12 +309,14 @@ class _FaultServer(http.server.ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/one.zarr"
+        return f"http://127.0.0.1:{self.server_address[1]}/{self.store}"
 
-    def fault_for(self, path: str) -> str | None:
-        """The fault of this request (``None``: serve it), counting the path's requests."""
-        if not path.startswith(_FAULTY):
+    def fault_for(self, path: str, byte_range: str | None) -> str | None:
+        """The fault of this request (``None``: serve it), counting the requests of each
+        path and byte range."""
+        if not path.startswith(self.prefix):
             return None
+        path = f"{path} {byte_range}" if byte_range else path
         with self.lock:
             seen = self.counts.get(path, 0)
             self.counts[path] = seen + 1
@@ -329,12 +338,14 @@ class _FaultHandler(_RangeHandler):
     server: _FaultServer
 
     def do_GET(self):
-        fault = self.server.fault_for(self.path)
+        fault = self.server.fault_for(self.path, self.headers.get("Range"))
         if fault == "slow":
             if self.server.stopping.wait(self.server.delay):
                 return
         elif fault == "forbid":
             self.send_error(403)
+            return
+        elif fault == "short" and self._short():
             return
         elif fault == "truncate":
             body = self.send_head()  # the headers, with the full Content-Length
@@ -346,6 +357,22 @@ class _FaultHandler(_RangeHandler):
             return
         super().do_GET()
 
+    def _short(self) -> bool:
+        """Answer a range short of the object's end with half of it; False when the
+        request is not such a range (it is then served whole)."""
+        first, _, last = (self.headers.get("Range") or "").removeprefix("bytes=").partition("-")
+        data = Path(self.translate_path(self.path)).read_bytes()
+        if not (first.isdigit() and last.isdigit()) or int(last) >= len(data) - 1:
+            return False
+        start = int(first)
+        body = data[start : int(last) + 1][: (int(last) + 1 - start) // 2]
+        self.send_response(206)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        self.end_headers()
+        self.wfile.write(body)
+        return True
+
 
 @pytest.fixture(scope="module")
 def fault_root(tmp_path_factory):
@@ -354,6 +381,8 @@ def fault_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     encoding = {"t": {"chunks": (2, 4, 5), "compressors": None}, "n": {"chunks": (4, 5)}}
     _dataset().to_zarr(root / "one.zarr", mode="w", encoding=encoding, consolidated=True)
+    sharded = {"t": {"chunks": (1, 4, 5), "shards": (2, 8, 10), "compressors": None}}
+    _dataset()[["t"]].to_zarr(root / "sharded.zarr", mode="w", encoding=sharded, consolidated=True)
     return root
 
 
@@ -362,8 +391,10 @@ def faulty(fault_root):
     """Start fault servers over ``fault_root``; all stopped when the test ends."""
     servers: list[_FaultServer] = []
 
-    def start(fault: str, times: int | None = None, delay: float = 0.0) -> _FaultServer:
-        servers.append(_FaultServer(fault_root, fault, times, delay))
+    def start(
+        fault: str, times: int | None = None, delay: float = 0.0, store: str = "one.zarr"
+    ) -> _FaultServer:
+        servers.append(_FaultServer(fault_root, fault, times, delay, store))
         return servers[-1]
 
     try:
@@ -374,7 +405,7 @@ def faulty(fault_root):
 
 
 def _t_keys(server: _FaultServer) -> dict[str, int]:
-    return {p: n for p, n in server.counts.items() if p.startswith(_FAULTY)}
+    return {p: n for p, n in server.counts.items() if p.startswith(server.prefix)}
 
 
 def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException]) -> None:
@@ -386,7 +417,7 @@ def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException
 
     key = re.search(r"chunk '([^']+)'", str(err.value)).group(1)
     counts = _t_keys(server)
-    assert counts[f"/one.zarr/{key}"] == remote.READ_ATTEMPTS
+    assert counts[f"/{server.store}/{key}"] == remote.READ_ATTEMPTS
     assert max(counts.values()) == remote.READ_ATTEMPTS
 
 
@@ -578,3 +609,29 @@ def test_info_storage_options_parsed(http_root, capsys):
     assert cli.main(["info", url, "--storage-option", LEAK]) == 2
     err = capsys.readouterr().err
     assert "--storage-option takes KEY=VALUE" in err and LEAK not in err
+
+
+def test_short_ranges_of_a_shard(faulty, fault_root):
+    """Inner chunks of shards are byte ranges: one that comes back shorter than asked
+    (with a Content-Length that matches, so aiohttp cannot tell) is caught by the length
+    check, tried again, and never decoded."""
+    from xarray_gds import remote
+
+    ref = xr.open_dataset(fault_root / "sharded.zarr", engine="zarr").load()
+    server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    xr.testing.assert_identical(ours.load(), ref)
+    counts = _t_keys(server)
+    index = {k: n for k, n in counts.items() if "bytes=-" in k}  # a suffix: the index
+    inner = {k: n for k, n in counts.items() if k not in index}
+    assert len(index) == 3 and set(index.values()) == {1}  # one shard index a shard
+    assert len(inner) == 3 * 8 and set(inner.values()) == {remote.READ_ATTEMPTS}
+
+    server = faulty("short", store="sharded.zarr")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    with pytest.raises(
+        OSError,
+        match=rf"chunk 't/c/\d/0/0' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the server sent fewer bytes than asked for \(\d+ of the \d+ bytes",
+    ):
+        ds.t.load()

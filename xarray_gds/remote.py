@@ -277,7 +277,12 @@ def _read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError
             f"{where}{after}: the server was too slow (no answer within the timeout): "
             f"raise the timeout ({setting}) or check the server's load ({detail})"
         )
-    if isinstance(err, _ShortBody) or {"ClientPayloadError", "ContentLengthError"} & _names(err):
+    if isinstance(err, _ShortBody):
+        return OSError(
+            f"{where}{after}: the server sent fewer bytes than asked for ({err}; no partial "
+            "bytes were used): check the server, or a proxy between, honours Range requests"
+        )
+    if {"ClientPayloadError", "ContentLengthError"} & _names(err):
         return ConnectionError(
             f"{where}{after}: the connection was closed before the whole object came "
             f"(no partial bytes were used): check the server and the network ({detail})"
