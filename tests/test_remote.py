@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -289,6 +290,9 @@ class _FaultServer(http.server.ThreadingHTTPServer):
     says so; ``"slow"`` answers after ``delay`` seconds; ``"forbid"`` answers 403."""
 
     daemon_threads = True  # a handler still asleep does not hold up the stop
+    # room for every connection of a batch at once: with the default backlog (5) the
+    # kernel drops SYNs and the client's 1 s retransmit outlasts the tests' timeouts
+    request_queue_size = 64
 
     def __init__(
         self,
@@ -327,6 +331,11 @@ class _FaultServer(http.server.ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         self.thread.join(5)
+
+    def handle_error(self, request, client_address):
+        # a slow answer to a client that gave up: the broken pipe is the point
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def finish_request(self, request, client_address):  # the root is the server's
         _FaultHandler(request, client_address, self, directory=str(self.root))
