@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -273,3 +274,373 @@ def test_fsspec_and_object_store_objects(s3, s3_store):
     )
     store = zarr.storage.ObjectStore(obj, read_only=True)
     xr.testing.assert_identical(xr.open_dataset(store, engine="gds-zarr", device="cpu").load(), ref)
+
+
+# --- faults: connections cut, slow or refused servers (issue 17, item 5) ---------------
+
+
+class _FaultServer(http.server.ThreadingHTTPServer):
+    """The files of ``root`` (byte ranges as :class:`_RangeHandler`) with a fault for
+    the first ``times`` requests of each chunk of ``t`` in ``store`` (every request
+    when ``times`` is None; metadata and the other variables are served as they are,
+    so that the store opens): ``"truncate"`` sends the headers with the full
+    Content-Length, then half the body, then closes the connection; ``"short"``
+    answers a byte range that does not reach the end of the object (inner chunks of a
+    shard, not its index) with half the bytes asked for, and a Content-Length that
+    says so; ``"slow"`` answers after ``delay`` seconds; ``"forbid"`` answers 403."""
+
+    daemon_threads = True  # a handler still asleep does not hold up the stop
+    # room for every connection of a batch at once: with the default backlog (5) the
+    # kernel drops SYNs and the client's 1 s retransmit outlasts the tests' timeouts
+    request_queue_size = 64
+
+    def __init__(
+        self,
+        root: Path,
+        fault: str,
+        times: int | None = None,
+        delay: float = 0.0,
+        store: str = "one.zarr",
+    ):
+        self.root, self.fault, self.times, self.delay = root, fault, times, delay
+        self.store, self.prefix = store, f"/{store}/t/"
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        super().__init__(("127.0.0.1", _free_port()), _FaultHandler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/{self.store}"
+
+    def fault_for(self, path: str, byte_range: str | None) -> str | None:
+        """The fault of this request (``None``: serve it), counting the requests of each
+        path and byte range."""
+        if not path.startswith(self.prefix):
+            return None
+        path = f"{path} {byte_range}" if byte_range else path
+        with self.lock:
+            seen = self.counts.get(path, 0)
+            self.counts[path] = seen + 1
+        return self.fault if self.times is None or seen < self.times else None
+
+    def stop(self) -> None:
+        self.stopping.set()  # wakes the slow handlers
+        self.shutdown()
+        self.server_close()
+        self.thread.join(5)
+
+    def handle_error(self, request, client_address):
+        # a slow answer to a client that gave up: the broken pipe is the point
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    def finish_request(self, request, client_address):  # the root is the server's
+        _FaultHandler(request, client_address, self, directory=str(self.root))
+
+
+class _FaultHandler(_RangeHandler):
+    # HTTP/1.0 (the default): one request per connection, so that a stopped server
+    # leaves no kept-alive connection behind that would still answer
+    server: _FaultServer
+
+    def do_GET(self):
+        fault = self.server.fault_for(self.path, self.headers.get("Range"))
+        if fault == "slow":
+            if self.server.stopping.wait(self.server.delay):
+                return
+        elif fault == "forbid":
+            self.send_error(403)
+            return
+        elif fault == "short" and self._short():
+            return
+        elif fault == "truncate":
+            body = self.send_head()  # the headers, with the full Content-Length
+            if body is not None:
+                data = body.read()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+            return
+        super().do_GET()
+
+    def _short(self) -> bool:
+        """Answer a range short of the object's end with half of it; False when the
+        request is not such a range (it is then served whole)."""
+        first, _, last = (self.headers.get("Range") or "").removeprefix("bytes=").partition("-")
+        data = Path(self.translate_path(self.path)).read_bytes()
+        if not (first.isdigit() and last.isdigit()) or int(last) >= len(data) - 1:
+            return False
+        start = int(first)
+        body = data[start : int(last) + 1][: (int(last) + 1 - start) // 2]
+        self.send_response(206)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        self.end_headers()
+        self.wfile.write(body)
+        return True
+
+
+@pytest.fixture(scope="module")
+def fault_root(tmp_path_factory):
+    """An HTTP store whose ``t`` chunks are stored raw (no compressor), so that a
+    short body could only be caught by the read, not by a decoder."""
+    root = tmp_path_factory.mktemp("faults")
+    encoding = {"t": {"chunks": (2, 4, 5), "compressors": None}, "n": {"chunks": (4, 5)}}
+    _dataset().to_zarr(root / "one.zarr", mode="w", encoding=encoding, consolidated=True)
+    sharded = {"t": {"chunks": (1, 4, 5), "shards": (2, 8, 10), "compressors": None}}
+    _dataset()[["t"]].to_zarr(root / "sharded.zarr", mode="w", encoding=sharded, consolidated=True)
+    return root
+
+
+@pytest.fixture
+def faulty(fault_root):
+    """Start fault servers over ``fault_root``; all stopped when the test ends."""
+    servers: list[_FaultServer] = []
+
+    def start(
+        fault: str, times: int | None = None, delay: float = 0.0, store: str = "one.zarr"
+    ) -> _FaultServer:
+        servers.append(_FaultServer(fault_root, fault, times, delay, store))
+        return servers[-1]
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _t_keys(server: _FaultServer) -> dict[str, int]:
+    return {p: n for p, n in server.counts.items() if p.startswith(server.prefix)}
+
+
+def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException]) -> None:
+    """The chunk the error names was asked for 3 times, no chunk more (the first
+    failure cancels the reads still going)."""
+    import re
+
+    from xarray_gds import remote
+
+    key = re.search(r"chunk '([^']+)'", str(err.value)).group(1)
+    counts = _t_keys(server)
+    assert counts[f"/{server.store}/{key}"] == remote.READ_ATTEMPTS
+    assert max(counts.values()) == remote.READ_ATTEMPTS
+
+
+def test_truncated_bodies_are_tried_again(faulty, fault_root):
+    from xarray_gds import remote
+
+    server = faulty("truncate", times=remote.READ_ATTEMPTS - 1)
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu").load()
+    ref = xr.open_dataset(fault_root / "one.zarr", engine="zarr").load()
+    xr.testing.assert_identical(ours, ref)
+    counts = _t_keys(server)
+    assert len(counts) == 12  # every chunk of t: 3 x 2 x 2
+    assert set(counts.values()) == {remote.READ_ATTEMPTS}  # two cut, the third whole
+
+
+def test_truncated_bodies_for_good_raise(faulty):
+    server = faulty("truncate")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    xr.testing.assert_identical(ds.n.load(), xr.open_dataset(server.url, engine="zarr").n.load())
+    with pytest.raises(
+        ConnectionError,
+        match=rf"chunk 't/c/\d/\d/\d' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the connection was closed before the whole object came \(no partial bytes were "
+        r"used\): check the server and the network",
+    ) as err:
+        ds.t.load()
+    _tries_bounded(server, err)
+
+
+def test_forbidden_chunk_is_not_tried_again(faulty):
+    server = faulty("forbid")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    with pytest.raises(
+        PermissionError,
+        match=r"chunk 't/c/\d/\d/\d' of the remote Zarr store '.*/one.zarr': "
+        r"access denied \(HTTP 403\): check the credentials",
+    ):
+        ds.t.load()
+    assert set(_t_keys(server).values()) == {1}  # a 403 does not go away: asked once
+
+
+def test_slow_server_times_out(faulty):
+    aiohttp = pytest.importorskip("aiohttp")
+    server = faulty("slow", delay=2.0)
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    with pytest.raises(
+        TimeoutError,
+        match=r"chunk 't/c/\d/\d/\d' of .*/one.zarr' after 3 tries: the server was too slow.*"
+        r"client_kwargs=\{'timeout': aiohttp.ClientTimeout\(total=...\)\}",
+    ) as err:
+        ds.t.load()
+    _tries_bounded(server, err)
+
+
+def test_slow_answer_once_is_tried_again(faulty, fault_root):
+    aiohttp = pytest.importorskip("aiohttp")
+    server = faulty("slow", times=1, delay=2.0)
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    ref = xr.open_dataset(fault_root / "one.zarr", engine="zarr")
+    xr.testing.assert_identical(ours.load(), ref.load())
+    assert set(_t_keys(server).values()) == {2}
+
+
+def test_server_gone_after_open(faulty):
+    server = faulty("none")  # no fault: a plain server, stopped after the open
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    server.stop()
+    with pytest.raises(
+        ConnectionError,
+        match=rf"chunk '(t|n)/c/[\d/]+' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the server cannot be reached.*check that it is up and the URL",
+    ):
+        ds.load()
+
+
+# --- credentials never appear -------------------------------------------------------
+
+LEAK = "SECRET-abc123"
+
+
+def test_credentials_never_appear(tmp_path, caplog, capsys):
+    """An S3 secret key through every surface: reprs of the dataset, store and backend
+    arrays, ``xarray-gds info`` (output and errors), the logs at DEBUG, and the error
+    of a read whose server went away."""
+    import logging
+
+    from xarray_gds import cli
+    from xarray_gds.backend import open_store
+
+    caplog.set_level(logging.DEBUG)  # every logger: ours, s3fs, botocore, aiohttp
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server._server.server_address[1]}"
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=LEAK,
+            region_name="us-east-1",
+        ).create_bucket(Bucket="creds")
+        options = {
+            "key": KEY,
+            "secret": LEAK,
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+        }
+        url = "s3://creds/one.zarr"
+        _dataset().to_zarr(url, storage_options=options, mode="w", consolidated=False)
+
+        ds = xr.open_dataset(url, engine="gds-zarr", storage_options=options, device="cpu")
+        store = open_store(url, storage_options=options)
+        texts = [repr(ds), str(ds), repr(store), repr(ds.t.variable._data), str(ds.t.encoding)]
+        backend = ds.t.variable._data
+        while not type(backend).__module__.startswith("xarray_gds"):  # xarray's wrappers
+            backend = backend.array
+        slots = type(backend).__slots__  # its zarr array (and through it the store)
+        texts += [repr(backend), *(repr(getattr(backend, n, None)) for n in slots)]
+
+        argv = ["info", url, "--storage-option", f"key={KEY}", "--storage-option"]
+        argv += [f"secret={LEAK}", "--storage-option", f"endpoint_url={endpoint}"]
+        argv += ["--storage-option", "client_kwargs.region_name=us-east-1"]
+        assert cli.main(argv) == 0
+        out = capsys.readouterr()
+        assert "store:        s3://creds/one.zarr\n" in out.out
+        assert "\n/t\n  shape       (6, 8, 10)\n" in out.out  # it read the metadata
+        texts += [out.out, out.err]
+
+        bad = [*argv[:3], f"key={KEY}", "--storage-option", f"secret={LEAK}"]
+        bad += ["--storage-option", f"endpoint_url=http://127.0.0.1:{_free_port()}"]
+        bad += ["--storage-option", "config_kwargs.retries.max_attempts=1"]
+        assert cli.main(bad) == 2
+        err = capsys.readouterr().err
+        assert "s3://creds/one.zarr" in err and "endpoint cannot be reached" in err
+        texts.append(err)
+    finally:
+        server.stop()
+
+    with pytest.raises(
+        ConnectionError,
+        match=r"chunk '(t|n)/c/[\d/]+' of the remote Zarr store 's3://creds/one.zarr': the "
+        r"server cannot be reached.*endpoint_url",
+    ) as gone:
+        ds.load()
+    texts += [str(gone.value), repr(gone.value), caplog.text]
+    assert caplog.records  # the logs were captured
+    for text in texts:
+        assert LEAK not in text
+    for text in texts[:-1]:  # botocore's own debug log shows the access key id
+        assert KEY not in text
+
+
+def test_http_header_secret_never_in_retry_logs(faulty, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="xarray_gds")
+    options = {"headers": {"Authorization": f"Bearer {LEAK}"}}
+    server = faulty("truncate")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
+    with pytest.raises(ConnectionError, match=r"after 3 tries") as err:
+        ds.t.load()
+    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.remote"]
+    assert any("try 1 of 3 failed (ClientPayloadError" in m for m in retries)
+    for text in [*retries, caplog.text, str(err.value), repr(ds), repr(ds.t.variable._data)]:
+        assert LEAK not in text
+
+
+def test_info_storage_options_parsed(http_root, capsys):
+    from xarray_gds import cli
+
+    parsed = cli._storage_options(
+        ["anon=true", "client_kwargs.region_name=eu-west-1", "secret=12345", 'n={"a": 1}']
+    )
+    assert parsed == {
+        "anon": True,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "secret": "12345",  # a secret stays a string
+        "n": {"a": 1},
+    }
+    # a timeout in seconds becomes aiohttp's ClientTimeout for an http(s) URL
+    url = f"{http_root}/one.zarr"
+    assert cli.main(["info", url, "--storage-option", "client_kwargs.timeout=5"]) == 0
+    assert f"store:        {url}\n" in capsys.readouterr().out
+    assert cli.main(["info", url, "--storage-option", LEAK]) == 2
+    err = capsys.readouterr().err
+    assert "--storage-option takes KEY=VALUE" in err and LEAK not in err
+
+
+def test_short_ranges_of_a_shard(faulty, fault_root):
+    """Inner chunks of shards are byte ranges: one that comes back shorter than asked
+    (with a Content-Length that matches, so aiohttp cannot tell) is caught by the length
+    check, tried again, and never decoded."""
+    from xarray_gds import remote
+
+    ref = xr.open_dataset(fault_root / "sharded.zarr", engine="zarr").load()
+    server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
+    ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    xr.testing.assert_identical(ours.load(), ref)
+    counts = _t_keys(server)
+    index = {k: n for k, n in counts.items() if "bytes=-" in k}  # a suffix: the index
+    inner = {k: n for k, n in counts.items() if k not in index}
+    assert len(index) == 3 and set(index.values()) == {1}  # one shard index a shard
+    assert len(inner) == 3 * 8 and set(inner.values()) == {remote.READ_ATTEMPTS}
+
+    server = faulty("short", store="sharded.zarr")
+    ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+    with pytest.raises(
+        OSError,
+        match=rf"chunk 't/c/\d/0/0' of the remote Zarr store '{server.url}' after 3 tries: "
+        r"the server sent fewer bytes than asked for \(\d+ of the \d+ bytes",
+    ):
+        ds.t.load()

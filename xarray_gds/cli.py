@@ -37,6 +37,7 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
 import xarray_gds
 from xarray_gds import device as _device
+from xarray_gds import remote
 from xarray_gds.backend import open_store, placement
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
 
@@ -658,9 +659,50 @@ def _info_device(asked: str) -> tuple[_device.Device, str]:
     return "cpu", f"cpu (no usable GPU: {reason}); --device cuda shows a GPU run's routes"
 
 
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` pairs as ``storage_options``: a dotted key is a
+    nested one (``client_kwargs.region_name=us-east-1``), a value that is JSON
+    (``true``, ``5``, ``{"a": 1}``) is read as JSON, any other value is a string.
+
+    Raises
+    ------
+    ValueError
+        A pair without ``=`` or without a key (the message does not repeat the pair:
+        it may be a secret).
+    """
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:  # the text is not echoed: it may be a secret
+            raise ValueError(
+                "--storage-option takes KEY=VALUE (e.g. endpoint_url=http://host:9000 or "
+                "client_kwargs.region_name=us-east-1); one of them has no "
+                + ("'='" if not sep else "KEY")
+            )
+        *parents, last = name.split(".")
+        value: Any = text
+        if last.lower() not in remote.SECRET_KEYS:  # a secret stays a string, always
+            with contextlib.suppress(ValueError):
+                value = json.loads(text)
+        where = options
+        for part in parents:
+            where = where.setdefault(part, {})
+            if not isinstance(where, dict):
+                raise ValueError(f"--storage-option {name!r}: {part!r} is set to a value already")
+        where[last] = value
+    return options
+
+
 def _run_info(args: argparse.Namespace) -> int:
     try:
-        store = open_store(args.path)
+        options = _storage_options(args.storage_option or ())
+    except ValueError as err:
+        _error("info", err)
+        return 2
+    try:
+        store = open_store(args.path, storage_options=options or None)
     except (OSError, ValueError, KeyError) as err:
         _error("info", err)  # names the path and says what is wrong
         return 2
@@ -690,7 +732,8 @@ def _run_info(args: argparse.Namespace) -> int:
     else:
         arrays = [node]
         kind = "array"
-    print(f"store:        {store}")
+    shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else store
+    print(f"store:        {shown}")
     print(f"zarr format:  {node.metadata.zarr_format}")
     print(f"node:         /{node.path} ({kind})")
     if isinstance(node, zarr.Group):
@@ -783,8 +826,19 @@ def _parser() -> argparse.ArgumentParser:
             "the values. Opens the store read-only."
         ),
     )
-    info.add_argument("path", help="a local Zarr store (directory)")
+    info.add_argument(
+        "path", help="a Zarr store: a local directory, or an s3://, http:// or https:// URL"
+    )
     info.add_argument("--group", help="only this group (path inside the store)")
+    info.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a storage option of a remote URL, as storage_options= of open_dataset "
+        "(repeat it): key=..., secret=..., endpoint_url=..., anon=true, "
+        "client_kwargs.region_name=us-east-1 (a dotted KEY is nested; a JSON VALUE is "
+        "read as JSON). Credentials never appear in the output",
+    )
     info.add_argument(
         "--device",
         choices=("cuda", "cpu", "auto"),

@@ -8,20 +8,29 @@ in the same batches as local chunks. Credentials, endpoint and region come from
 ``endpoint_url``, ``client_kwargs={"region_name": ...}``) or from the usual AWS
 environment variables and config files (s3fs/botocore read them).
 
-Errors name the URL and never the credentials (see :func:`redact`).
+Errors name the URL and never the credentials (see :func:`redact`). Chunk reads on
+the host route (:func:`read_host`) are tried again when the fault is transient (a
+dropped connection, a short body, a timeout, HTTP 5xx), at most :data:`READ_ATTEMPTS`
+times in all, and then raise an error naming the URL and the chunk key.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
-__all__ = ["is_remote_url", "open_url", "redact"]
+import numpy as np
+
+__all__ = ["READ_ATTEMPTS", "is_remote_url", "open_url", "read_host", "redact"]
+
+logger = logging.getLogger(__name__)
 
 #: URL schemes this engine opens as remote stores
 REMOTE_SCHEMES = ("s3", "s3a", "http", "https")
 
 #: storage_options keys whose values are secrets
-_SECRET_KEYS = (
+SECRET_KEYS = (
     "key",
     "secret",
     "token",
@@ -29,6 +38,7 @@ _SECRET_KEYS = (
     "aws_secret_access_key",
     "aws_session_token",
     "password",
+    "authorization",  # an HTTP header, e.g. storage_options={"headers": {...}}
 )
 
 
@@ -41,7 +51,7 @@ def is_remote_url(text: str) -> bool:
 def _secrets(storage_options: dict[str, Any] | None) -> list[str]:
     found: list[str] = []
     for name, value in (storage_options or {}).items():
-        if name in _SECRET_KEYS and isinstance(value, str) and value:
+        if str(name).lower() in SECRET_KEYS and isinstance(value, str) and value:
             found.append(value)
         elif isinstance(value, dict):
             found.extend(_secrets(value))
@@ -52,6 +62,8 @@ def redact(text: str, storage_options: dict[str, Any] | None) -> str:
     """``text`` with every credential of ``storage_options`` replaced by ``***``."""
     for secret in sorted(_secrets(storage_options), key=len, reverse=True):
         text = text.replace(secret, "***")
+        if secret.lower().startswith(("bearer ", "basic ")):  # the token alone, too
+            text = text.replace(secret.split(" ", 1)[1], "***")
     return text
 
 
@@ -85,6 +97,20 @@ def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSErro
     return OSError(_fail(url, options, "reading its metadata failed", err))
 
 
+def _with_timeout(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with an HTTP ``client_kwargs`` ``timeout`` given in seconds (as the
+    command line gives it) made the ``aiohttp.ClientTimeout(total=...)`` aiohttp takes."""
+    kwargs = options.get("client_kwargs")
+    if not url.lower().startswith(("http://", "https://")) or not isinstance(kwargs, dict):
+        return options
+    timeout = kwargs.get("timeout")
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        import aiohttp
+
+        options["client_kwargs"] = dict(kwargs, timeout=aiohttp.ClientTimeout(total=timeout))
+    return options
+
+
 def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: bool = True) -> Any:
     """A zarr :class:`~zarr.storage.FsspecStore` for a remote ``url``, checked to hold a
     Zarr store (root metadata present) when ``read_only``.
@@ -102,7 +128,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     from zarr.core.sync import sync
     from zarr.storage import FsspecStore
 
-    options = dict(storage_options or {})
+    options = _with_timeout(url, dict(storage_options or {}))
     try:
         store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as err:
@@ -146,6 +172,210 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
                 where = f"the bucket {bucket!r} does not exist (check the URL and endpoint_url)"
         raise FileNotFoundError(f"No Zarr store at {url!r}: {where}")
     return store
+
+
+# -- host route: the store's own get, with bounded retries --------------------------
+
+#: tries of one chunk read on the host route (the first one included)
+READ_ATTEMPTS = 3
+
+#: pauses (seconds) before the second and third tries: a dropped connection is
+#: usually back at once; a few tenths give a restarting server a moment
+_BACKOFF = (0.05, 0.25)
+
+#: exception classes (by name, so neither aiohttp nor botocore is imported here) of
+#: faults worth a second try: connections cut or refused, bodies cut short, timeouts
+_TRANSIENT = frozenset(
+    {
+        "ClientPayloadError",  # aiohttp: body shorter than Content-Length
+        "ClientConnectionError",  # aiohttp: refused, reset, server disconnected
+        "ContentLengthError",
+        "IncompleteRead",  # http.client / urllib3
+        "ProtocolError",
+        "ResponseStreamingError",  # botocore
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+    }
+)
+
+#: HTTP statuses worth a second try (never 401/403/404: those do not go away)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class _ShortBody(OSError):
+    """A range read that came back with fewer bytes than asked for."""
+
+
+def _names(err: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(err).__mro__}
+
+
+def _timeout(err: BaseException) -> bool:
+    return isinstance(err, TimeoutError) or any("Timeout" in n for n in _names(err))
+
+
+def _transient(err: BaseException) -> bool:
+    """Whether a failed read may succeed when tried again."""
+    if isinstance(err, PermissionError | FileNotFoundError | IsADirectoryError):
+        return False
+    status = getattr(err, "status", None)
+    if isinstance(status, int):
+        return status in _TRANSIENT_STATUS
+    if isinstance(err, ConnectionError | _ShortBody) or _timeout(err):
+        return True
+    return bool(_names(err) & _TRANSIENT)
+
+
+def _retries_itself(store: Any) -> bool:
+    """Whether the store's filesystem retries transient faults on its own (s3fs does,
+    5 tries with backoff; fsspec's HTTP filesystem does not)."""
+    fs = getattr(store, "fs", None)
+    protocol = getattr(fs, "protocol", "")
+    protocol = protocol if isinstance(protocol, str) else protocol[0]
+    return protocol in ("s3", "s3a")
+
+
+def store_url(store: Any) -> str:
+    """The URL of a remote fsspec store (``s3://bucket/path``, ``https://...``), without
+    user information."""
+    fs = getattr(store, "fs", None)
+    path = str(getattr(store, "path", "") or "")
+    protocol = getattr(fs, "protocol", "")
+    protocol = protocol if isinstance(protocol, str) else protocol[0]
+    if "://" not in path and protocol:
+        path = f"{protocol}://{path.lstrip('/')}"
+    scheme, sep, rest = path.partition("://")
+    host, slash, tail = rest.partition("/")
+    if "@" in host:  # http://user:password@host/...
+        host = "***@" + host.rpartition("@")[2]
+    return f"{scheme}{sep}{host}{slash}{tail}".rstrip("/")
+
+
+def _read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError:
+    """The error of a chunk read that failed for good: its type says what kind of fault
+    (``TimeoutError``, ``ConnectionError``, ``PermissionError``, ``OSError``), its
+    message names the URL and the chunk key and says what to check."""
+    options = dict(getattr(getattr(store, "fs", None), "storage_options", None) or {})
+    url = store_url(store)
+    s3 = url.startswith(("s3://", "s3a://"))
+    where = f"cannot read chunk {key!r} of the remote Zarr store {url!r}"
+    after = f" after {tries} tries" if tries > 1 else ""
+    detail = redact(f"{type(err).__name__}: {err}", options)
+    status = getattr(err, "status", None)
+    if isinstance(err, PermissionError) or status in (401, 403):
+        return PermissionError(
+            f"{where}: access denied (HTTP {status or 403}): check the credentials "
+            f"and the {'bucket' if s3 else 'server'}'s policy ({detail})"
+        )
+    if _timeout(err):
+        setting = (
+            "storage_options config_kwargs={'read_timeout': ..., 'connect_timeout': ...}"
+            if s3
+            else "storage_options client_kwargs={'timeout': aiohttp.ClientTimeout(total=...)}"
+        )
+        return TimeoutError(
+            f"{where}{after}: the server was too slow (no answer within the timeout): "
+            f"raise the timeout ({setting}) or check the server's load ({detail})"
+        )
+    if isinstance(err, _ShortBody):
+        return OSError(
+            f"{where}{after}: the server sent fewer bytes than asked for ({err}; no partial "
+            "bytes were used): check the server, or a proxy between, honours Range requests"
+        )
+    if {"ClientPayloadError", "ContentLengthError"} & _names(err):
+        return ConnectionError(
+            f"{where}{after}: the connection was closed before the whole object came "
+            f"(no partial bytes were used): check the server and the network ({detail})"
+        )
+    if _transient(err):
+        hint = "endpoint_url (or AWS_ENDPOINT_URL)" if s3 else "the URL"
+        return ConnectionError(
+            f"{where}{after}: the server cannot be reached or dropped the connection: "
+            f"check that it is up and {hint} ({detail})"
+        )
+    return OSError(f"{where}{after}: {detail}")
+
+
+def read_host(
+    stores: list[Any],
+    keys: list[str],
+    ranges: tuple[np.ndarray, np.ndarray] | None = None,
+    attempts: int = READ_ATTEMPTS,
+) -> list[np.ndarray | None]:
+    """Objects ``keys[i]`` of ``stores[i]`` (or ``sizes[i]`` bytes at ``starts[i]`` of
+    them, with ``ranges``) read through the stores' ``get``, all in flight at once, as
+    uint8 arrays (``None`` for a missing object).
+
+    A read that fails with a transient fault (see :func:`_transient`) is tried again,
+    at most ``attempts`` times in all (once where the filesystem retries itself, as
+    s3fs does). A body shorter than its Content-Length raises in aiohttp; a range that
+    comes back shorter than asked is caught here: neither is ever returned as data.
+
+    Raises
+    ------
+    ConnectionError
+        The server cannot be reached or cut the body short, on every try.
+    TimeoutError
+        The server did not answer within the timeout set in ``storage_options``.
+    PermissionError
+        HTTP 401/403 (not tried again).
+    """
+    import zarr
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    async def once(i: int) -> np.ndarray | None:
+        request = None
+        if ranges is not None:
+            start = int(ranges[0][i])
+            request = RangeByteRequest(start, start + int(ranges[1][i]))
+        got = await stores[i].get(keys[i], prototype=cpu.buffer_prototype, byte_range=request)
+        if got is None:
+            return None
+        data = np.asarray(got.as_numpy_array()).view(np.uint8)
+        if ranges is not None and data.size != int(ranges[1][i]):
+            raise _ShortBody(f"{data.size} of the {int(ranges[1][i])} bytes asked for came")
+        return data
+
+    async def one(i: int) -> np.ndarray | None:
+        tries = 1 if _retries_itself(stores[i]) else max(1, attempts)
+        for n in range(1, tries + 1):
+            try:
+                return await once(i)
+            except Exception as err:
+                if n == tries or not _transient(err):
+                    raise _read_error(stores[i], keys[i], n, err) from None
+                options = getattr(stores[i].fs, "storage_options", None)
+                logger.debug(
+                    "chunk %r of %r: try %d of %d failed (%s), trying again",
+                    keys[i],
+                    store_url(stores[i]),
+                    n,
+                    tries,
+                    redact(f"{type(err).__name__}: {err}", options),
+                )
+                await asyncio.sleep(_BACKOFF[min(n, len(_BACKOFF)) - 1])
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def every() -> list[np.ndarray | None]:
+        # as many in flight as zarr allows; the first read that fails for good cancels
+        # the others (no more tries against a server that is gone)
+        limit = asyncio.Semaphore(int(zarr.config.get("async.concurrency") or len(keys) or 1))
+
+        async def bounded(i: int) -> np.ndarray | None:
+            async with limit:
+                return await one(i)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(bounded(i)) for i in range(len(keys))]
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    found: list[np.ndarray | None] = sync(every())
+    return found
 
 
 # -- device route: kvikio RemoteFile ---------------------------------------------------

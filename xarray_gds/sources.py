@@ -215,8 +215,9 @@ def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
 
 class RemoteSource(StoreSource):
     """Objects of a remote fsspec store (S3, HTTP(S)): on the host through the store's
-    ``get`` (as :class:`StoreSource`), on the device through kvikio's ``RemoteFile``
-    straight into the arena (:func:`xarray_gds.remote.read_device`)."""
+    ``get`` with bounded retries of transient faults (:func:`xarray_gds.remote.read_host`),
+    on the device through kvikio's ``RemoteFile`` straight into the arena
+    (:func:`xarray_gds.remote.read_device`)."""
 
     kind = "remote"
 
@@ -224,11 +225,26 @@ class RemoteSource(StoreSource):
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
     ) -> Any:
-        if not on_device:
-            return StoreSource.read_all(sources, locations, on_device, slots)
         from xarray_gds import remote
 
+        if not on_device:
+            return remote.read_host([s.store for s in sources], list(locations))
         return remote.read_device([s.store for s in sources], list(locations))
+
+    @staticmethod
+    def read_ranges_all(
+        sources: Sequence[Any],
+        locations: list[Any],
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        on_device: bool,
+    ) -> Any:
+        """Byte ranges of objects (inner chunks of shards), with the retries of
+        :meth:`read_all`; a range that comes back short is an error, never data."""
+        from xarray_gds import remote
+
+        found = remote.read_host([s.store for s in sources], list(locations), (starts, sizes))
+        return _on_side(found, on_device)
 
 
 class ReferenceSource:
