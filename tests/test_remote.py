@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 
 pytest.importorskip("s3fs", reason="remote tests need s3fs (the test extra)")
 moto_server = pytest.importorskip("moto.server", reason="remote tests need moto[server]")
@@ -634,6 +635,14 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
     index = {k: n for k, n in counts.items() if "bytes=-" in k}  # a suffix: the index
     inner = {k: n for k, n in counts.items() if k not in index}
     assert len(index) == 3 and set(index.values()) == {1}  # one shard index a shard
+    # the 8 inner chunks of a shard lie one after the other: one joined range a shard
+    # (xarray_gds.range_gap), tried until it comes back whole
+    assert len(inner) == 3 and set(inner.values()) == {remote.READ_ATTEMPTS}
+    with zarr.config.set({"xarray_gds.range_gap": -1}):  # never joined: one an inner chunk
+        server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
+        ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
+        xr.testing.assert_identical(ours.load(), ref)
+    inner = {k: n for k, n in _t_keys(server).items() if "bytes=-" not in k}
     assert len(inner) == 3 * 8 and set(inner.values()) == {remote.READ_ATTEMPTS}
 
     server = faulty("short", store="sharded.zarr")

@@ -22,7 +22,7 @@ engine does not change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -149,29 +149,50 @@ class StoreSource:
         from zarr.core.common import concurrent_map
         from zarr.core.sync import sync
 
-        spans = merge_ranges(sources, locations, starts, sizes, config.get("range_gap"))
-        found: list[np.ndarray | None] = [None] * len(locations)
+        def get(picked: list[int], span_starts: np.ndarray, span_sizes: np.ndarray) -> list[Any]:
+            async def one(k: int) -> Any:
+                start = int(span_starts[k])
+                got = await sources[picked[k]].store.get(
+                    locations[picked[k]],
+                    prototype=cpu.buffer_prototype,
+                    byte_range=RangeByteRequest(start, start + int(span_sizes[k])),
+                )
+                return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
 
-        async def one(k: int) -> None:
-            first, start, end, members = spans[k]
-            got = await sources[first].store.get(
-                locations[first],
-                prototype=cpu.buffer_prototype,
-                byte_range=RangeByteRequest(start, end),
-            )
-            if got is None:
-                return
-            data = np.asarray(got.as_numpy_array()).view(np.uint8)
-            for i in members:  # each range's own bytes (a view), as long as it asked
-                at = int(starts[i]) - start
-                found[i] = data[at : at + int(sizes[i])]
+            async def every() -> list[Any]:
+                limit = zarr.config.get("async.concurrency")
+                return list(await concurrent_map([(k,) for k in range(len(picked))], one, limit))
 
-        async def every() -> None:
-            limit = zarr.config.get("async.concurrency")
-            await concurrent_map([(k,) for k in range(len(spans))], one, limit)
+            return list(sync(every()))
 
-        sync(every())
-        return _on_side(found, on_device)
+        return _on_side(_read_joined(sources, locations, starts, sizes, get), on_device)
+
+
+def _read_joined(
+    sources: Sequence[Any],
+    locations: list[Any],
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    get: Callable[[list[int], np.ndarray, np.ndarray], list[Any]],
+) -> list[np.ndarray | None]:
+    """Byte ranges read as the joined requests of :func:`merge_ranges` (ranges less
+    than ``xarray_gds.range_gap`` apart); ``get(picked, starts, sizes)`` reads the
+    joined spans (``picked[k]``: a member whose location and store span ``k`` reads),
+    and each range is its own slice (a view) of its span."""
+    spans = merge_ranges(sources, locations, starts, sizes, config.get("range_gap"))
+    picked = [first for first, _, _, _ in spans]
+    span_starts = np.array([start for _, start, _, _ in spans], dtype=np.int64)
+    span_sizes = np.array([end - start for _, start, end, _ in spans], dtype=np.int64)
+    found: list[np.ndarray | None] = [None] * len(locations)
+    for (_, start, _, members), data in zip(
+        spans, get(picked, span_starts, span_sizes), strict=True
+    ):
+        if data is None:
+            continue
+        for i in members:
+            at = int(starts[i]) - start
+            found[i] = data[at : at + int(sizes[i])]
+    return found
 
 
 def merge_ranges(
@@ -243,8 +264,13 @@ class RemoteSource(StoreSource):
         :meth:`read_all`; a range that comes back short is an error, never data."""
         from xarray_gds import remote
 
-        found = remote.read_host([s.store for s in sources], list(locations), (starts, sizes))
-        return _on_side(found, on_device)
+        def get(picked: list[int], span_starts: np.ndarray, span_sizes: np.ndarray) -> list[Any]:
+            stores = [sources[i].store for i in picked]
+            return remote.read_host(
+                stores, [locations[i] for i in picked], (span_starts, span_sizes)
+            )
+
+        return _on_side(_read_joined(sources, locations, starts, sizes, get), on_device)
 
 
 class ReferenceSource:
