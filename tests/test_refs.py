@@ -62,7 +62,11 @@ def open_zarr_refs(refs: Any, **kwargs: Any) -> xr.Dataset:
     return xr.open_dataset(
         "reference://",
         engine="zarr",
-        backend_kwargs={"storage_options": {"fo": refs}, "consolidated": False},
+        # remote_protocol: see test_parquet_group_listed_before_its_arrays
+        backend_kwargs={
+            "storage_options": {"fo": refs, "remote_protocol": "file"},
+            "consolidated": False,
+        },
         **kwargs,
     )
 
@@ -194,6 +198,40 @@ def test_matches_h5netcdf_and_zarr(
     xr.testing.assert_identical(got.as_numpy(), open_zarr_refs(refs_form).load())
     assert np.isnan(got.t2m.as_numpy().values[2, :3, :4]).all()  # _FillValue masked
     assert got.time.dtype == np.dtype("datetime64[ns]")
+
+
+def test_parquet_group_listed_before_its_arrays(
+    nc_file: Path, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec walks the top-level directories of a Parquet set in set order to find the
+    target protocol, and a group's directory (no .zarray) raised KeyError when it came
+    first; the store names the protocol so that order no longer matters."""
+    pytest.importorskip("fastparquet", reason="Parquet references need fastparquet")
+    from fsspec.implementations.reference import LazyReferenceMapper
+    from kerchunk.df import refs_to_dataframe
+
+    out = tmp_path / "archive.parq"
+    refs_to_dataframe(kerchunk_refs(nc_file, inline_threshold=300), str(out), record_size=4)
+    listdir = LazyReferenceMapper.listdir
+    monkeypatch.setattr(
+        LazyReferenceMapper,
+        "listdir",
+        lambda self: sorted(listdir(self), key=lambda f: f != "ocean"),
+    )
+    with pytest.raises(KeyError, match=r"ocean/\.zarray"):  # fsspec's own walk, unnamed
+        xr.open_dataset(
+            "reference://",
+            engine="zarr",
+            backend_kwargs={"storage_options": {"fo": str(out)}, "consolidated": False},
+        )
+    got = open_gds(str(out), device).load()
+    ref = xr.open_dataset(nc_file, engine="h5netcdf").load()
+    xr.testing.assert_identical(got.as_numpy(), ref)
+    sub = open_gds(str(out), device, group="ocean").load()
+    xr.testing.assert_identical(
+        sub.as_numpy().rename({"ocean/depth": "depth"}),  # kerchunk's name for the dim
+        xr.open_dataset(nc_file, engine="h5netcdf", group="ocean").load(),
+    )
 
 
 def test_raw_values_match(nc_file: Path, device: str) -> None:

@@ -149,6 +149,30 @@ def is_reference_set(obj: Any) -> bool:
     return False
 
 
+def _parquet_protocol(root: str) -> str:
+    """The protocol of the targets of a local Parquet reference set ("file" for local
+    paths), read from the first record of its first array.
+
+    Without ``remote_protocol``, fsspec (2026.9) finds the protocol by walking every
+    top-level directory of the set as if it were an array, and a group's directory has
+    no ``.zarray``: the walk raises KeyError or not depending on set order (the hash
+    seed). Naming the protocol skips that walk."""
+    from fsspec.core import split_protocol
+    from fsspec.implementations.reference import LazyReferenceMapper
+
+    mapper = LazyReferenceMapper(root)
+    arrays = sorted(f for f in mapper.listdir() if f"{f}/.zarray" in mapper.zmetadata)
+    for field in arrays:
+        try:
+            records = mapper.open_refs(field, 0)
+        except OSError:  # no record file: every reference of the field inline or absent
+            continue
+        for path in (records or {}).get("path", ()):
+            if path:
+                return split_protocol(str(path))[0] or "file"
+    return "file"
+
+
 class ReferenceStore(Store):
     """A read-only zarr Store over a kerchunk reference set.
 
@@ -179,6 +203,8 @@ class ReferenceStore(Store):
                 fo = str(Path(local).expanduser().resolve())
         self._spec = (fo, dict(storage_options or {}))
         options = {"skip_instance_cache": True, **self._spec[1]}
+        if isinstance(fo, str) and "remote_protocol" not in options and _is_parquet_refs(Path(fo)):
+            options["remote_protocol"] = _parquet_protocol(fo)
         self.fs = fsspec.filesystem("reference", fo=fo, **options)
         self._is_open = True
 
