@@ -128,6 +128,69 @@ def test_to_zarr_s3_roundtrip(s3):
     xr.testing.assert_identical(ours.load(), back.load())
 
 
+def _failing_dataset(fail_block: int | None) -> xr.Dataset:
+    """``_dataset()`` with ``t`` in three dask blocks; block ``fail_block`` raises."""
+    import dask.array as da
+
+    ds = _dataset()
+
+    def block(x, block_info=None):
+        if block_info is not None and block_info[0]["chunk-location"][0] == fail_block:
+            raise RuntimeError("block failed (injected)")
+        return x
+
+    t = da.from_array(ds.t.values, chunks=(2, 8, 10)).map_blocks(block, dtype="f4")
+    return ds.assign(t=(ds.t.dims, t))
+
+
+def test_failed_s3_write_leaves_no_objects(s3):
+    """A new store whose write fails: chunks were uploaded, then deleted; no metadata."""
+    import dask
+    import s3fs
+
+    import xarray_gds
+
+    url = "s3://data/failed.zarr"
+    fs = s3fs.S3FileSystem(**s3)
+    with dask.config.set(scheduler="synchronous"), pytest.raises(RuntimeError, match="injected"):
+        xarray_gds.to_zarr(
+            _failing_dataset(fail_block=2), url, storage_options=s3, mode="w", consolidated=True
+        )
+    fs.invalidate_cache()
+    assert fs.find("data/failed.zarr") == []
+    with pytest.raises(FileNotFoundError):
+        xr.open_dataset(url, engine="zarr", storage_options=s3)
+
+
+def test_failed_s3_append_leaves_the_store_as_it_was(s3):
+    import dask
+    import s3fs
+
+    import xarray_gds
+
+    url = "s3://data/appended.zarr"
+    ds = _dataset()
+    encoding = {"t": {"chunks": (2, 8, 10)}}
+    xarray_gds.to_zarr(ds, url, storage_options=s3, mode="w", consolidated=True, encoding=encoding)
+    fs = s3fs.S3FileSystem(**s3)
+    meta = sorted(k for k in fs.find("data/appended.zarr") if k.endswith("zarr.json"))
+    before = {k: fs.cat_file(k) for k in meta}
+    failing = _failing_dataset(fail_block=1).drop_vars("n")
+    with dask.config.set(scheduler="synchronous"), pytest.raises(RuntimeError, match="injected"):
+        xarray_gds.to_zarr(failing, url, storage_options=s3, append_dim="time")
+    fs.invalidate_cache()
+    assert {k: fs.cat_file(k) for k in meta} == before  # metadata untouched
+    for engine in ("zarr", "gds-zarr"):
+        kwargs = {"device": "cpu"} if engine == "gds-zarr" else {}
+        got = xr.open_dataset(url, engine=engine, storage_options=s3, **kwargs).load()
+        xr.testing.assert_identical(got, ds)
+    xarray_gds.to_zarr(_dataset().drop_vars("n"), url, storage_options=s3, append_dim="time")
+    got = xr.open_dataset(url, engine="gds-zarr", storage_options=s3, device="cpu").load()
+    ref = xr.open_dataset(url, engine="zarr", storage_options=s3).load()
+    xr.testing.assert_identical(got, ref)
+    assert got.sizes["time"] == 12
+
+
 def test_missing_bucket_names_url_not_secret(s3):
     with pytest.raises(
         FileNotFoundError, match=r"s3://nobucket/x.zarr.*bucket 'nobucket' does not exist"

@@ -203,18 +203,112 @@ def test_failed_write_leaves_whole_chunks(
     assert not list(path.rglob("*.partial"))  # no temporary file left behind
 
 
-def test_urls_and_stores_go_to_xarray_unchanged(
+def test_which_store_each_target_writes_through(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """Local paths: a GdsStore; other zarr Stores: held metadata around them; other
+    URLs (fsspec's, e.g. memory://) go to xarray as they are."""
+    from zarr.storage import MemoryStore
+
+    from xarray_gds.deferred import HeldMetadataStore
+
     seen: list[Any] = []
     monkeypatch.setattr(xr.Dataset, "to_zarr", lambda self, store, **kw: seen.append(store))
     ds = xr.Dataset({"a": ("x", np.arange(3))})
-    xarray_gds.to_zarr(ds, "s3://bucket/out.zarr", mode="w")
     store = xarray_gds.GdsStore(tmp_path / "s.zarr", read_only=False)
     xarray_gds.to_zarr(ds, store)
     xarray_gds.to_zarr(ds, str(tmp_path / "local.zarr"))
-    assert seen[0] == "s3://bucket/out.zarr" and seen[1] is store
-    assert isinstance(seen[2], xarray_gds.GdsStore)
+    memory = MemoryStore()
+    xarray_gds.to_zarr(ds, memory)
+    xarray_gds.to_zarr(ds, "memory://out.zarr", mode="w")
+    assert seen[0] is store and isinstance(seen[1], xarray_gds.GdsStore)
+    assert isinstance(seen[2], HeldMetadataStore) and seen[2].store is memory
+    assert seen[3] == "memory://out.zarr"
+
+
+class _RecordingStore:
+    """A MemoryStore that records each key set, and fails setting ``fail_key``."""
+
+    @staticmethod
+    def make(fail_key: str | None = None) -> Any:
+        from zarr.storage import MemoryStore
+
+        class Recording(MemoryStore):
+            sets: list[str]
+            failing: bool
+
+            async def set(self, key: str, value: Any, byte_range: Any = None) -> None:
+                if key == fail_key and self.failing:
+                    self.failing = False  # once: putting the old document back works
+                    raise OSError(f"injected failure writing {key}")
+                self.sets.append(key)
+                await super().set(key, value)
+
+        store = Recording()
+        store.sets = []
+        store.failing = False
+        return store
+
+
+def _dask_dataset(fail_block: int | None = None) -> xr.Dataset:
+    """Six time steps in three dask blocks; block ``fail_block`` raises when computed."""
+    import dask.array as da
+
+    values = np.arange(6 * 4 * 5, dtype="f4").reshape(6, 4, 5)
+
+    def block(x: np.ndarray, block_info: Any = None) -> np.ndarray:
+        if block_info is not None and block_info[0]["chunk-location"][0] == fail_block:
+            raise RuntimeError("block failed (injected)")
+        return x
+
+    t = da.from_array(values, chunks=(2, 4, 5)).map_blocks(block, dtype="f4")
+    return xr.Dataset({"t": (("time", "y", "x"), t)}, coords={"time": np.arange(6)})
+
+
+def test_any_store_gets_its_metadata_last() -> None:
+    store = _RecordingStore.make()
+    ds = _dask_dataset()
+    xarray_gds.to_zarr(ds, store, mode="w", consolidated=True)
+    names = [k.rsplit("/", 1)[-1] for k in store.sets]
+    metadata = [i for i, n in enumerate(names) if n == "zarr.json"]
+    chunks = [i for i, n in enumerate(names) if n != "zarr.json"]
+    assert chunks and metadata and max(chunks) < min(metadata)
+    assert store.sets[-1] == "zarr.json"  # the root, with the consolidated metadata
+    xr.testing.assert_identical(xr.open_dataset(store, engine="zarr").load(), ds.compute())
+
+
+def test_failed_write_to_any_store_leaves_it_as_it_was() -> None:
+    import dask
+
+    store = _RecordingStore.make()
+    with pytest.raises(RuntimeError, match="injected"), dask.config.set(scheduler="synchronous"):
+        xarray_gds.to_zarr(_dask_dataset(fail_block=1), store, mode="w", consolidated=False)
+    assert store.sets  # a chunk was written before the failure ...
+    assert dict(store._store_dict) == {}  # ... and removed: no metadata, no chunks
+    ds = _dask_dataset()
+    xarray_gds.to_zarr(ds, store, mode="w", consolidated=False)
+    before = dict(store._store_dict)
+    with pytest.raises(RuntimeError, match="injected"), dask.config.set(scheduler="synchronous"):
+        xarray_gds.to_zarr(_dask_dataset(fail_block=2), store, append_dim="time")
+    assert {k: v.to_bytes() for k, v in store._store_dict.items() if k.endswith("zarr.json")} == {
+        k: v.to_bytes() for k, v in before.items() if k.endswith("zarr.json")
+    }
+    got = xr.open_dataset(store, engine="zarr", consolidated=False).load()
+    xr.testing.assert_identical(got, ds.compute())
+
+
+def test_failed_metadata_write_puts_the_old_back() -> None:
+    store = _RecordingStore.make(fail_key="zarr.json")
+    ds = _dask_dataset()
+    xarray_gds.to_zarr(ds, store, mode="w", consolidated=False)
+    before = {k: v.to_bytes() for k, v in store._store_dict.items() if k.endswith("zarr.json")}
+    store.failing = True  # the root document fails: written after t's, which is put back
+    with pytest.raises(OSError, match=r"injected failure writing zarr\.json"):
+        xarray_gds.to_zarr(ds, store, append_dim="time")
+    after = {k: v.to_bytes() for k, v in store._store_dict.items() if k.endswith("zarr.json")}
+    assert after == before
+    got = xr.open_dataset(store, engine="zarr", consolidated=False).load()
+    xr.testing.assert_identical(got, ds.compute())
 
 
 def _recording_replace(

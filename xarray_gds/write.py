@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import xarray as xr
+from zarr.abc.store import Store
 
 from xarray_gds import device as _device
+from xarray_gds import remote
 from xarray_gds.chunks import GdsDaskManager, device_of
+from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
 
@@ -115,6 +118,19 @@ def to_zarr(
         # each variable, so no two tasks share a chunk (xarray's check would refuse
         # region writes that start inside a chunk, which it allows for numpy values)
         kwargs.setdefault("safe_chunks", False)
+    if isinstance(store, str) and remote.is_remote_url(store):
+        store = remote.open_url(store, kwargs.pop("storage_options", None), read_only=False)
+    if isinstance(store, Store) and not isinstance(store, GdsStore):
+        # any other zarr Store (S3, HTTP, memory): metadata held back the same way
+        held = HeldMetadataStore(store)
+        try:
+            with use_gds_pipeline(levels):
+                result = prepared.to_zarr(held, **kwargs)
+        except BaseException:
+            held.discard()
+            raise
+        held.flush()
+        return result
     if not isinstance(store, GdsStore):
         with use_gds_pipeline(levels):
             return prepared.to_zarr(store, **kwargs)
