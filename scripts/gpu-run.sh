@@ -7,6 +7,7 @@
 # and/or `xarray-gds bench`, writing logs and results under $OUT. BENCH_CASES (names
 # separated by spaces) limits the benchmark to those cases (BENCH_SIZE, BENCH_REPEAT,
 # BENCH_TIMEOUT: its --size-gb, --repeat and time limit); TESTS names the test paths,
+# EXTRA_SITE a second site directory (see below),
 # GPU_WORKERS the pytest-xdist processes; BENCH_PROFILE=1 adds a
 # cProfile of one more run per contender under $OUT/profiles.
 set -uo pipefail
@@ -21,7 +22,12 @@ if ! ls .whl/xarray_gds-*.whl > /dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# EXTRA_SITE: a directory an earlier call on the same (warm) machine installed more
+# wheels into (e.g. the remote tests' moto stack, too large to carry with the rest)
+export PYTHONPATH=/tmp/site${EXTRA_SITE:+:$EXTRA_SITE} PYTHONUNBUFFERED=1
+if [ -n "${EXTRA_SITE:-}" ] && [ ! -d "$EXTRA_SITE" ]; then
+  echo "EXTRA_SITE=$EXTRA_SITE is not on this machine (a fresh one): its tests skip" >&2
+fi
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the suite takes over 9 minutes in one process: spread it over GPU_WORKERS processes
