@@ -234,6 +234,21 @@ def test_parquet_group_listed_before_its_arrays(
     )
 
 
+@pytest.mark.parametrize("no_path", [None, float("nan"), ""])
+def test_reference_without_a_target_reads_as_missing(
+    nc_file: Path, device: str, no_path: Any
+) -> None:
+    """A chunk reference with no path (Parquet sets store null, which some pandas
+    versions read back as NaN) is a missing chunk: the fill value. (fsspec cannot take
+    such a reference in a dict, so it is put into the store's references after.)"""
+    store = refs_module.ReferenceStore(kerchunk_refs(nc_file, inline_threshold=300))
+    store.fs.references["sparse/0.0"] = [no_path, 0, 0]  # the one chunk the file wrote
+    got = xr.open_dataset(store, engine="gds-zarr", device=device).load()
+    want = xr.open_dataset(nc_file, engine="h5netcdf").load()
+    want["sparse"][:12, :18] = np.nan  # it held 5.0
+    xr.testing.assert_identical(got.as_numpy(), want)
+
+
 def test_raw_values_match(nc_file: Path, device: str) -> None:
     """Without CF decoding: the stored integers, big-endian doubles and fill values."""
     refs = kerchunk_refs(nc_file)

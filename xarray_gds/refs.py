@@ -168,7 +168,7 @@ def _parquet_protocol(root: str) -> str:
         except OSError:  # no record file: every reference of the field inline or absent
             continue
         for path in (records or {}).get("path", ()):
-            if path:
+            if isinstance(path, str) and path:
                 return split_protocol(str(path))[0] or "file"
     return "file"
 
@@ -240,7 +240,11 @@ class ReferenceStore(Store):
             part = part()
         if isinstance(part, str | bytes) or hasattr(part, "to_bytes"):
             return Reference(key, None, 0, 0, _inline(part))
-        url = str(part[0])
+        if not isinstance(part[0], str) or not part[0]:
+            # no target: a chunk the file never wrote (Parquet sets hold a null path,
+            # which pandas may read as NaN): missing, as fsspec's reader finds it
+            return None
+        url = part[0]
         offset, size = (0, -1) if len(part) == 1 else (int(part[1]), int(part[2]))
         local = _local_path(url)
         if local is None:
