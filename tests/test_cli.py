@@ -421,6 +421,14 @@ def test_codec_name() -> None:
 # --- bench, --version, entry points ---------------------------------------------------
 
 
+def test_profile_names_are_plain() -> None:
+    from xarray_gds.bench import profile_name
+
+    assert profile_name("netcdf-refs", "gds-zarr chunks={}") == "netcdf-refs.gds-zarr_chunks.txt"
+    assert profile_name("remote-s3", "s3fs GETs only") == "remote-s3.s3fs_GETs_only.txt"
+    assert profile_name("zstd-4MB", "zarr") == "zstd-4MB.zarr.txt"
+
+
 def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--case", "host-zstd-4MB", "--size-gb", "0.04", "--repeat", "1"]
