@@ -311,6 +311,43 @@ def test_s3_kvikio_route_matches_zarr(s3, s3_store):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gap", [None, -1])
+def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
+    """Inner chunks of shards read by kvikio on the device: one handle a shard, ranges
+    joined across gaps (or not, with range_gap=-1), each copied to its own slot."""
+    cupy = pytest.importorskip("cupy")
+    from xarray_gds import remote
+
+    url = "s3://data/sharded-device.zarr"
+    ds = _dataset()
+    ds["t"][2:4] = np.nan  # whole inner chunks of the fill value: not written
+    encoding = {"t": {"chunks": (1, 4, 5), "shards": (2, 8, 10)}}
+    ds[["t"]].to_zarr(url, storage_options=s3, mode="w", encoding=encoding, consolidated=False)
+    calls = []
+    real = remote.read_device
+
+    def spy(stores, keys, retries=3, ranges=None):
+        calls.append((len(keys), ranges is not None))
+        return real(stores, keys, retries, ranges)
+
+    monkeypatch.setattr(remote, "read_device", spy)
+    config = {} if gap is None else {"xarray_gds.range_gap": gap}
+    with zarr.config.set(config):
+        loaded = xr.open_dataset(url, engine="gds-zarr", storage_options=s3, device="cuda").load()
+    assert isinstance(loaded.t.data, cupy.ndarray)
+    ref = xr.open_dataset(url, engine="zarr", storage_options=s3).load()
+    xr.testing.assert_identical(loaded.as_numpy(), ref)
+    ranged = [n for n, with_ranges in calls if with_ranges]
+    assert ranged  # the inner chunks came through kvikio by range
+    import s3fs
+
+    shards = [k for k in s3fs.S3FileSystem(**s3).find(f"{url[5:]}/t/c")]
+    assert len(shards) == 2  # the middle shard held the fill value only: not written
+    # joined: one request a shard; unjoined: one an inner chunk (8 a shard)
+    assert sum(ranged) == (len(shards) if gap is None else 8 * len(shards))
+
+
+@pytest.mark.gpu
 def test_http_kvikio_route_matches_zarr(http_root):
     cupy = pytest.importorskip("cupy")
     url = f"{http_root}/one.zarr"

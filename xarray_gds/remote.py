@@ -411,51 +411,69 @@ def _open_remote(kvikio: Any, url: str, args: dict[str, Any]) -> Any:
     return kvikio.RemoteFile.open_http(url)
 
 
-def read_device(stores: list[Any], keys: list[str], retries: int = 3) -> Any:
-    """Whole objects ``keys[i]`` of ``stores[i]`` read by kvikio into one device arena
-    (:class:`~xarray_gds.batch.DeviceBatch`; size -1 for a missing object). A read that
-    fails or comes back short is tried again, at most ``retries`` times in all, and then
-    raises an ``OSError`` naming the URL and the key; partial bytes are never data."""
-    import numpy as np
-
+def read_device(
+    stores: list[Any],
+    keys: list[str],
+    retries: int = 3,
+    ranges: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Any:
+    """Objects ``keys[i]`` of ``stores[i]`` read by kvikio into one device arena
+    (:class:`~xarray_gds.batch.DeviceBatch`; size -1 for a missing object): whole, or
+    with ``ranges`` (``starts, sizes``) the byte range ``i`` of its object. Each object
+    is opened once however many of its ranges are read (one handle an object), and every
+    read is in flight at once. A read that fails or comes back short is tried again, at
+    most ``retries`` times in all, and then raises an ``OSError`` naming the URL and the
+    key; partial bytes are never data."""
     from xarray_gds import device as _device
     from xarray_gds.batch import DeviceBatch, pack_offsets, parallel
 
     kvikio = _device.kvikio()
     cp = _device.cupy()
     targets = [kvikio_target(s) for s in stores]
-    handles: list[Any] = [None] * len(keys)
+    urls = [f"{t[0]}/{k}" if t is not None else "" for t, k in zip(targets, keys, strict=True)]
+    first: dict[tuple[int, str], int] = {}  # the first item of each object
+    for i, url in enumerate(urls):
+        first.setdefault((id(stores[i]), url), i)
+    opened = list(first.values())
+    handles: dict[int, Any] = {}
 
-    def open_one(i: int) -> None:
+    def open_one(j: int) -> None:
+        i = opened[j]
         target = targets[i]
         assert target is not None
-        url = f"{target[0]}/{keys[i]}"
         try:
-            handles[i] = _open_remote(kvikio, url, target[1])
+            handles[i] = _open_remote(kvikio, urls[i], target[1])
         except Exception as err:
             from zarr.core.sync import sync
 
             if not sync(stores[i].exists(keys[i])):
                 return  # a missing chunk: the fill value
             raise OSError(
-                f"cannot read chunk {keys[i]!r} at {url!r}: "
+                f"cannot read chunk {keys[i]!r} at {urls[i]!r}: "
                 + redact(str(err), target[1])
                 + "; check the credentials, endpoint_url and that the server is up"
             ) from None
 
-    parallel(open_one, len(keys), min_items=2)
-    sizes = np.array([-1 if h is None else int(h.nbytes()) for h in handles], dtype=np.int64)
+    parallel(open_one, len(opened), min_items=2)
+    handle: list[Any] = [handles.get(first[(id(stores[i]), urls[i])]) for i in range(len(keys))]
+    if ranges is None:
+        sizes = np.array([-1 if h is None else int(h.nbytes()) for h in handle], dtype=np.int64)
+        starts = np.zeros(len(keys), dtype=np.int64)
+    else:
+        starts = np.asarray(ranges[0], dtype=np.int64)
+        sizes = np.where([h is None for h in handle], -1, ranges[1]).astype(np.int64)
     offsets, total = pack_offsets(sizes)
     arena = cp.empty(max(total, 1), dtype=cp.uint8)
     cp.cuda.get_current_stream().synchronize()
     pending = [i for i in range(len(keys)) if sizes[i] > 0]
+    errors: dict[int, str] = {}
     for _ in range(max(1, retries)):
         futures = []
         for i in pending:
             start, size = int(offsets[i]), int(sizes[i])
-            futures.append((i, handles[i].pread(arena[start : start + size], size, 0)))
+            futures.append((i, handle[i].pread(arena[start : start + size], size, int(starts[i]))))
         failed: list[int] = []
-        errors: dict[int, str] = {}
+        errors = {}
         for i, future in futures:
             try:
                 if future.get() != sizes[i]:
@@ -469,8 +487,8 @@ def read_device(stores: list[Any], keys: list[str], retries: int = 3) -> Any:
             return DeviceBatch(arena, offsets, sizes)
     i = pending[0]
     target = targets[i]
+    where = f" bytes {int(starts[i])}-{int(starts[i]) + int(sizes[i]) - 1}" if ranges else ""
     raise OSError(
-        f"cannot read chunk {keys[i]!r} at {target[0] if target else ''}/{keys[i]} after "
-        f"{retries} tries: {redact(errors[i], target[1] if target else None)}; check the "
-        "server and the network"
+        f"cannot read chunk {keys[i]!r}{where} at {urls[i]} after {retries} tries: "
+        f"{redact(errors[i], target[1] if target else None)}; check the server and the network"
     )

@@ -261,8 +261,13 @@ class RemoteSource(StoreSource):
         on_device: bool,
     ) -> Any:
         """Byte ranges of objects (inner chunks of shards), with the retries of
-        :meth:`read_all`; a range that comes back short is an error, never data."""
+        :meth:`read_all`; a range that comes back short is an error, never data. Ranges
+        less than ``xarray_gds.range_gap`` apart are read as one; on the device by kvikio
+        (one handle an object), then each range copied to its own aligned slot."""
         from xarray_gds import remote
+
+        if on_device:
+            return _device_ranges(sources, locations, starts, sizes)
 
         def get(picked: list[int], span_starts: np.ndarray, span_sizes: np.ndarray) -> list[Any]:
             stores = [sources[i].store for i in picked]
@@ -271,6 +276,41 @@ class RemoteSource(StoreSource):
             )
 
         return _on_side(_read_joined(sources, locations, starts, sizes, get), on_device)
+
+
+def _device_ranges(
+    sources: Sequence[Any], locations: list[Any], starts: np.ndarray, sizes: np.ndarray
+) -> Any:
+    """:meth:`RemoteSource.read_ranges_all` on the device: the joined spans read by kvikio
+    into one arena, then every range copied out to an aligned slot of another (nvCOMP
+    reads aligned inputs)."""
+    from xarray_gds import remote
+    from xarray_gds.batch import pack_offsets
+
+    cp = _device.cupy()
+    spans = merge_ranges(sources, locations, starts, sizes, config.get("range_gap"))
+    got = remote.read_device(
+        [sources[first].store for first, _, _, _ in spans],
+        [locations[first] for first, _, _, _ in spans],
+        ranges=(
+            np.array([start for _, start, _, _ in spans], dtype=np.int64),
+            np.array([end - start for _, start, end, _ in spans], dtype=np.int64),
+        ),
+    )
+    out_sizes = np.full(len(locations), -1, dtype=np.int64)
+    source_at = np.zeros(len(locations), dtype=np.int64)
+    for k, (_, start, _, members) in enumerate(spans):
+        if got.sizes[k] < 0:
+            continue
+        for i in members:
+            out_sizes[i] = sizes[i]
+            source_at[i] = int(got.offsets[k]) + int(starts[i]) - start
+    offsets, total = pack_offsets(out_sizes)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    for i in np.flatnonzero(out_sizes > 0).tolist():
+        size, at = int(out_sizes[i]), int(offsets[i])
+        arena[at : at + size] = got.arena[int(source_at[i]) : int(source_at[i]) + size]
+    return DeviceBatch(arena, offsets, out_sizes)
 
 
 class ReferenceSource:
