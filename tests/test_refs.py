@@ -180,6 +180,21 @@ def refs_form(request: pytest.FixtureRequest, nc_file: Path, tmp_path: Path) -> 
     return str(out)
 
 
+def _null_paths_read_as_nan(refs: Any) -> bool:
+    """Whether a Parquet reference set's null paths (chunks the file never wrote) come
+    back as NaN: some pandas versions read them so, and fsspec's reference filesystem
+    (engine="zarr"'s reader here) then fails on them with a TypeError. The engine reads
+    them as missing chunks (test_reference_without_a_target_reads_as_missing)."""
+    if not (isinstance(refs, str) and refs.endswith(".parq")):
+        return False
+    from fsspec.implementations.reference import LazyReferenceMapper
+
+    mapper = LazyReferenceMapper(refs)
+    assert "sparse/.zarray" in mapper.zmetadata  # (loads the set: open_refs exists after)
+    records = mapper.open_refs("sparse", 0)
+    return any(isinstance(p, float) for p in records["path"])
+
+
 # -- values -----------------------------------------------------------------------------
 
 
@@ -195,7 +210,8 @@ def test_matches_h5netcdf_and_zarr(
     assert_on(got, device)
     ref = xr.open_dataset(nc_file, engine="h5netcdf").load()
     xr.testing.assert_identical(got.as_numpy(), ref)
-    xr.testing.assert_identical(got.as_numpy(), open_zarr_refs(refs_form).load())
+    if not _null_paths_read_as_nan(refs_form):
+        xr.testing.assert_identical(got.as_numpy(), open_zarr_refs(refs_form).load())
     assert np.isnan(got.t2m.as_numpy().values[2, :3, :4]).all()  # _FillValue masked
     assert got.time.dtype == np.dtype("datetime64[ns]")
 
