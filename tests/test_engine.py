@@ -113,6 +113,54 @@ def test_scattered_blocks_are_joined_too(v3_store: Path, joined_calls: list[int]
     assert len(joined_calls) == 1 and joined_calls[0] > 1
 
 
+@pytest.mark.parametrize(
+    "select",
+    [
+        lambda v: v,
+        lambda v: v.isel(time=slice(2, 9, 2)),
+        lambda v: v.isel(time=3),
+        lambda v: v.isel(lat=slice(None, None, -1)),
+        lambda v: v.isel(lon=slice(7, 1, -3), time=slice(1, None)),
+    ],
+    ids=["whole", "step", "int", "reversed", "reversed-step"],
+)
+def test_block_keys_are_xarrays_own(v3_store: Path, select: Callable[[Any], Any]) -> None:
+    """The fusion pass works out each block's key itself; it is the key xarray's own
+    indexing arithmetic gives, for every block of lazily selected variables."""
+    from xarray.core import indexing
+
+    ds = xr.open_dataset(v3_store, engine="gds-zarr", device="cpu")
+    var = select(ds.t2m).variable
+    adapter = indexing.ImplicitToExplicitIndexingAdapter(var._data)
+    shape = var.shape
+    cases = [tuple(slice(0, n) for n in shape)]
+    for dim, n in enumerate(shape):  # blocks of 1 and of 3 along each dimension
+        for size in (1, 3):
+            for start in range(0, n, size):
+                sl = [slice(0, m) for m in shape]
+                sl[dim] = slice(start, min(n, start + size))
+                cases.append(tuple(sl))
+    for slices in cases:
+        got = fuse._block_key(adapter, slices)
+        lazy = fuse._lazy(adapter[slices])
+        assert got is not None
+        assert got[0] is lazy.array
+
+        def ranges(pair: tuple[Any, Any]) -> tuple[Any, ...]:
+            array, key = pair
+            return tuple(
+                range(n)[k] if isinstance(k, slice) else k
+                for k, n in zip(key.tuple, array.shape, strict=True)
+            )
+
+        have, want = ranges(got), ranges((lazy.array, lazy.key))
+        assert have == want, slices
+    # a key with an index array is left to xarray
+    outer = xr.open_dataset(v3_store, engine="gds-zarr", device="cpu").t2m.isel(time=[0, 2])
+    fancy = indexing.ImplicitToExplicitIndexingAdapter(outer.variable._data)
+    assert fuse._block_key(fancy, tuple(slice(0, n) for n in outer.shape)) is None
+
+
 def test_fuse_off_reads_each_block_alone(v3_store: Path, joined_calls: list[int]) -> None:
     gds, ref = _open(v3_store, "cpu", chunks={})
     with zarr.config.set({"xarray_gds.fuse_dask": False}), dask.config.set(scheduler="sync"):
