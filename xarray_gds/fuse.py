@@ -296,13 +296,14 @@ def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tup
     from xarray_gds.array import read_many
     from xarray_gds.chunks import DeviceBlocks
 
+    adapters = [src._data if isinstance(src, DeviceBlocks) else src for src in sources]
+    bases = [_lazy_base(adapter) for adapter in adapters]
     wanted = []
     for s, slices in plan:
-        src = sources[s]
-        adapter = src._data if isinstance(src, DeviceBlocks) else src
-        pair = _block_key(adapter, slices)
+        base = bases[s]
+        pair = None if base is None else _block_key(base, slices)
         if pair is None:
-            lazy = _lazy(adapter[slices])  # xarray's own key arithmetic; reads nothing
+            lazy = _lazy(adapters[s][slices])  # xarray's own key arithmetic; reads nothing
             pair = (lazy.array, lazy.key)
         wanted.append(pair)
     values = read_many(wanted)
@@ -314,14 +315,11 @@ def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tup
     return tuple(out)
 
 
-def _block_key(adapter: Any, slices: tuple[slice, ...]) -> tuple[Any, Any] | None:
-    """``(backend array, key)`` that ``adapter[slices]`` would read, worked out here for
-    the usual chain (copy-on-write and cache wrappers over a lazy array whose key holds integers
-    and slices), or None for any other (xarray's own arithmetic then does it).
-
-    xarray's indexing classes take about 50 us a block to compose the keys; for a
-    ``chunks={}`` load of thousands of blocks that is a sizeable part of the time after
-    the joined read. The result is the same key, as a ``BasicIndexer``."""
+def _lazy_base(adapter: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(backend array, key tuple)`` of the lazy array under xarray's adapter, for the
+    usual chain (copy-on-write and cache wrappers over a lazy array whose key holds
+    integers and slices), or None for any other (xarray's own arithmetic then works out
+    each block's key)."""
     from xarray.core import indexing
 
     inner = adapter.array
@@ -329,16 +327,27 @@ def _block_key(adapter: Any, slices: tuple[slice, ...]) -> tuple[Any, Any] | Non
         inner = inner.array  # (a cache that holds values is no lazy array: left to xarray)
     if type(inner) is not indexing.LazilyIndexedArray:
         return None
-    key = inner.key.tuple
-    shape = inner.array.shape
+    key = tuple(inner.key.tuple)
+    if not all(isinstance(k, slice | int | np.integer) for k in key):
+        return None
+    return inner.array, key
+
+
+def _block_key(base: tuple[Any, tuple[Any, ...]], slices: tuple[slice, ...]) -> Any:
+    """``(backend array, key)`` that ``adapter[slices]`` reads, where ``base`` is
+    :func:`_lazy_base` of the adapter: the same key xarray's indexing classes work out
+    (they take about 50 us a block; for a ``chunks={}`` load of thousands of blocks
+    that is a sizeable part of the time after the joined read), as a ``BasicIndexer``.
+    None when ``slices`` does not fit the key."""
+    from xarray.core import indexing
+
+    array, key = base
     out: list[Any] = []
     picks = iter(slices)
-    for k, size in zip(key, shape, strict=True):
-        if isinstance(k, int | np.integer):
+    for k, size in zip(key, array.shape, strict=True):
+        if not isinstance(k, slice):
             out.append(int(k))
             continue
-        if not isinstance(k, slice):
-            return None
         s = next(picks, None)
         if s is None:
             return None
@@ -346,7 +355,7 @@ def _block_key(adapter: Any, slices: tuple[slice, ...]) -> tuple[Any, Any] | Non
         out.append(slice(r.start, r.stop if r.stop >= 0 else None, r.step))
     if next(picks, None) is not None:
         return None
-    return inner.array, indexing.BasicIndexer(tuple(out))
+    return array, indexing.BasicIndexer(tuple(out))
 
 
 def _pick(blocks: tuple[Any, ...], i: int) -> Any:
