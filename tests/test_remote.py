@@ -310,6 +310,36 @@ def test_s3_kvikio_route_matches_zarr(s3, s3_store):
     xr.testing.assert_identical(loaded.as_numpy(), ref)
 
 
+def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
+    """The device route takes the sizes of whole chunk objects from one listing of their
+    prefix instead of a HEAD request each: sizes as the server has them, absent keys
+    known missing, a listing cut short says nothing of the keys it did not reach, and a
+    refused listing (here: no such bucket) leaves every size to be asked for."""
+    import s3fs
+    from zarr.storage import FsspecStore
+
+    from xarray_gds import remote
+
+    store = FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
+    fs = s3fs.S3FileSystem(**s3)
+    present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
+    assert len(present) >= remote.LIST_MIN_KEYS
+    keys = [*present, "t/c/9/9/9"]
+    listing = remote.list_sizes(store, keys)
+    assert listing is not None
+    assert listing.sizes == {k: fs.size(f"{s3_store[5:]}/{k}") for k in present}
+    assert listing.missing("t/c/9/9/9") and not any(listing.missing(k) for k in present)
+    assert remote.list_sizes(store, present[:2]) is None  # too few to be worth a listing
+
+    monkeypatch.setattr(remote, "LIST_PAGE", 3)  # one page of 3 objects: cut short
+    short = remote.list_sizes(store, keys)
+    assert short is not None and sorted(short.sizes) == present[:3]
+    assert not any(short.missing(k) for k in keys[3:])
+
+    nowhere = FsspecStore.from_url("s3://no-such-bucket/x.zarr", storage_options=s3)
+    assert remote.list_sizes(nowhere, keys) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gap", [None, -1])
 def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
@@ -345,6 +375,35 @@ def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
     assert len(shards) == 2  # the middle shard held the fill value only: not written
     # joined: one request a shard; unjoined: one an inner chunk (8 a shard)
     assert sum(ranged) == (len(shards) if gap is None else 8 * len(shards))
+
+
+@pytest.mark.gpu
+def test_s3_kvikio_route_takes_sizes_from_a_listing(s3, monkeypatch):
+    """Whole chunk objects read by kvikio open with their size from one listing (no HEAD
+    request each); a chunk the listing does not hold is the fill value, never opened."""
+    cupy = pytest.importorskip("cupy")
+    from xarray_gds import remote
+
+    url = "s3://data/listed.zarr"
+    ds = _dataset()
+    ds["t"][0:2, 0:4, 0:5] = np.nan  # one chunk of the fill value only: not written
+    encoding = {"t": {"chunks": (1, 4, 5)}}  # 24 chunks, 22 written
+    ds[["t"]].to_zarr(url, storage_options=s3, mode="w", encoding=encoding, consolidated=False)
+    opened: list[tuple[str, int | None]] = []
+    real = remote._open_remote
+
+    def spy(kvikio, target, args, nbytes=None):
+        opened.append((target, nbytes))
+        return real(kvikio, target, args, nbytes)
+
+    monkeypatch.setattr(remote, "_open_remote", spy)
+    loaded = xr.open_dataset(url, engine="gds-zarr", storage_options=s3, device="cuda").load()
+    assert isinstance(loaded.t.data, cupy.ndarray)
+    ref = xr.open_dataset(url, engine="zarr", storage_options=s3).load()
+    xr.testing.assert_identical(loaded.as_numpy(), ref)
+    chunks = [(u, n) for u, n in opened if "/t/c/" in u]
+    assert len(chunks) == 22  # the two chunks of the fill value were not opened
+    assert all(n is not None and n > 0 for _, n in chunks)
 
 
 @pytest.mark.gpu

@@ -404,11 +404,85 @@ def kvikio_target(store: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def _open_remote(kvikio: Any, url: str, args: dict[str, Any]) -> Any:
+def _open_remote(kvikio: Any, url: str, args: dict[str, Any], nbytes: int | None = None) -> Any:
+    """kvikio's ``RemoteFile`` of ``url``; with ``nbytes`` (the object's size, known from
+    a listing) it opens without asking the server for the size (a HEAD request)."""
     if url.startswith("s3://"):
         bucket, _, name = url[5:].partition("/")
-        return kvikio.RemoteFile.open_s3(bucket, name, **args)
-    return kvikio.RemoteFile.open_http(url)
+        return kvikio.RemoteFile.open_s3(bucket, name, nbytes=nbytes, **args)
+    return kvikio.RemoteFile.open_http(url, nbytes=nbytes)
+
+
+#: Whole objects of one S3 store read at once from which their sizes come from a listing
+#: of their common prefix instead of one HEAD request each.
+LIST_MIN_KEYS = 8
+#: Objects a page of a listing (S3's most).
+LIST_PAGE = 1000
+#: A listing stops after this many of its pages per 100 objects wanted; the sizes of
+#: the objects it did not reach come from HEAD requests.
+LIST_PAGES_PER_100 = 1
+
+
+class Listing:
+    """What one listing of an S3 prefix tells of some keys: the sizes of those it found,
+    and up to which key it is complete (a key at or before it that was not found does
+    not exist)."""
+
+    def __init__(self, sizes: dict[str, int], complete_to: str | None) -> None:
+        self.sizes = sizes
+        self.complete_to = complete_to
+
+    def missing(self, key: str) -> bool:
+        """Whether ``key`` is known not to exist."""
+        return key not in self.sizes and self.complete_to is not None and key <= self.complete_to
+
+
+def list_sizes(store: Any, keys: list[str]) -> Listing | None:
+    """Sizes of the objects ``keys`` of an S3 fsspec store, from a listing of their
+    common prefix (``ListObjectsV2``: one request per 1,000 objects), for at least
+    :data:`LIST_MIN_KEYS` keys; None when no listing is made or the server refuses one
+    (without ``s3:ListBucket`` permission, say): the reader then asks for each size."""
+    fs = getattr(store, "fs", None)
+    protocol = getattr(fs, "protocol", None)
+    protocol = protocol if isinstance(protocol, str) else (protocol or ("",))[0]
+    if len(keys) < LIST_MIN_KEYS or protocol not in ("s3", "s3a") or fs is None:
+        return None
+    bucket, _, root = str(store.path).strip("/").partition("/")
+    low, high = min(keys), max(keys)  # their common start is that of every key
+    n = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
+    common = low[: low.rfind("/", 0, n) + 1]  # a whole directory of the store
+    prefix = f"{root}/{common}" if root else common
+    pages = max(1, -(-len(keys) // 100) * LIST_PAGES_PER_100)
+    wanted = set(keys)
+    sizes: dict[str, int] = {}
+    skip = len(root) + 1 if root else 0
+    last: str | None = None
+
+    async def listing() -> bool:
+        nonlocal last
+        token = None
+        for _ in range(pages):
+            extra: dict[str, Any] = {"ContinuationToken": token} if token else {}
+            page = await fs._call_s3(
+                "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=LIST_PAGE, **extra
+            )
+            for item in page.get("Contents", []):
+                key = item["Key"][skip:]
+                last = key
+                if key in wanted:
+                    sizes[key] = int(item["Size"])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return True
+        return False
+
+    from zarr.core.sync import sync  # the loop the store's file system runs on
+
+    try:
+        whole = sync(listing())
+    except Exception:
+        return None  # not allowed, or not answered: each size is asked for instead
+    return Listing(sizes, max(keys) if whole else last)
 
 
 def read_device(
@@ -435,14 +509,26 @@ def read_device(
     for i, url in enumerate(urls):
         first.setdefault((id(stores[i]), url), i)
     opened = list(first.values())
+    listed: dict[int, Listing | None] = {}
+    if ranges is None:  # whole objects: their sizes from one listing a store
+        by_store: dict[int, list[int]] = {}
+        for i in opened:
+            by_store.setdefault(id(stores[i]), []).append(i)
+        for members in by_store.values():
+            listing = list_sizes(stores[members[0]], [keys[i] for i in members])
+            listed.update(dict.fromkeys(members, listing))
     handles: dict[int, Any] = {}
 
     def open_one(j: int) -> None:
         i = opened[j]
         target = targets[i]
         assert target is not None
+        listing = listed.get(i)
+        if listing is not None and listing.missing(keys[i]):
+            return  # a missing chunk: the fill value
+        nbytes = listing.sizes.get(keys[i]) if listing is not None else None
         try:
-            handles[i] = _open_remote(kvikio, urls[i], target[1])
+            handles[i] = _open_remote(kvikio, urls[i], target[1], nbytes)
         except Exception as err:
             from zarr.core.sync import sync
 
