@@ -182,6 +182,102 @@ def test_groups_bounded_by_fuse_bytes(v3_store: Path, joined_calls: list[int]) -
     assert len(joined_calls) >= gds.t2m.data.npartitions // 2
 
 
+@pytest.fixture
+def placed(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times the fused graph ran fuse._place and fuse._pick."""
+    calls = {"place": 0, "pick": 0}
+    place, pick = fuse._place, fuse._pick
+
+    def spy_place(*args: Any) -> Any:
+        calls["place"] += 1
+        return place(*args)
+
+    def spy_pick(*args: Any) -> Any:
+        calls["pick"] += 1
+        return pick(*args)
+
+    monkeypatch.setattr(fuse, "_place", spy_place)
+    monkeypatch.setattr(fuse, "_pick", spy_pick)
+    return calls
+
+
+@needs_fuse
+@pytest.mark.parametrize(
+    "chunks",
+    [{}, {"time": 3, "lat": 4}, {"time": 2, "lat": 1}, {"lon": 5}],
+    ids=str,
+)
+def test_computed_arrays_are_placed_from_their_groups(
+    v3_store: Path, device: str, chunks: Any, placed: dict[str, int]
+) -> None:
+    """dask's final concatenation of a fused array becomes one task that copies each
+    block from its group into one new array: values and type as engine="zarr" (CuPy on
+    the device), no per-block tasks, and a result that is the caller's own."""
+    gds, ref = _open(v3_store, device, chunks=chunks, drop_variables=["station"])
+    want = ref.t2m.values
+    data = gds.t2m.data
+    assert data.npartitions > 1
+
+    def host(x: Any) -> np.ndarray:
+        assert type(x).__module__.split(".")[0] == ("cupy" if device == "cuda" else "numpy")
+        return x.get() if device == "cuda" else x
+
+    first = data.compute()
+    try:  # dask >= 2025.1 puts the final concatenation in the graph the pass sees
+        from dask._expr import HLGFinalizeCompute  # noqa: F401
+    except ImportError:
+        assert placed == {"place": 0, "pick": data.npartitions}
+    else:
+        assert placed == {"place": 1, "pick": 0}
+    np.testing.assert_array_equal(host(first), want)
+    first[...] = -1  # the caller's array: computing again gives the values unchanged
+    np.testing.assert_array_equal(host(data.compute()), want)
+    # a dataset's load places each variable; arrays computed from the blocks keep
+    # dask's own concatenation, with the blocks taken from the same groups
+    xr.testing.assert_identical(gds.compute().as_numpy(), ref.compute())
+    same, shifted = dask.compute(gds.t2m.data, gds.t2m.data + 1)
+    np.testing.assert_array_equal(host(same), want)
+    np.testing.assert_array_equal(host(shifted), want + 1)
+    (kept,) = dask.persist(gds.t2m.data)  # persisted blocks stay blocks
+    assert kept.npartitions == data.npartitions
+    np.testing.assert_array_equal(host(kept.compute()), want)
+
+
+def test_place_falls_back_to_dasks_finalize() -> None:
+    """Blocks _place cannot copy into one array (mixed dtypes, a shape that is not its
+    place's) are handed to dask's own finalize, which gives what it always gave."""
+    from dask.array.core import finalize
+
+    a, b = np.arange(6.0).reshape(2, 3), np.arange(6, dtype="i4").reshape(2, 3)
+    rows = [(0, 0, (slice(0, 2), slice(0, 3))), (0, 1, (slice(2, 4), slice(0, 3)))]
+    spec = ([[0], [1]], (4, 3), rows)
+    mixed = fuse._place(spec, (a, b))
+    assert mixed.dtype == finalize([[a], [b]]).dtype
+    np.testing.assert_array_equal(mixed, finalize([[a], [b]]))
+    c = np.arange(9.0).reshape(3, 3)
+    np.testing.assert_array_equal(fuse._place(spec, (a, c)), finalize([[a], [c]]))
+    with pytest.raises(ValueError, match="t2m/c/0"):  # a failed block raises its error
+        fuse._place(spec, (a, ValueError("t2m/c/0: damaged")))
+
+
+def test_contiguous_places_are_numpys() -> None:
+    """fuse._contiguous says a block's place is one run of memory exactly where NumPy's
+    view of it is C-contiguous (the test of the device memcpy in fuse._place)."""
+    from dask.array.core import slices_from_chunks
+
+    out = np.empty((4, 6, 2), dtype="u1")
+    for chunks in [
+        ((1,) * 4, (6,), (2,)),
+        ((2, 2), (1,) * 6, (2,)),
+        ((2, 2), (3, 3), (2,)),
+        ((4,), (6,), (1, 1)),
+        ((1,) * 4, (1,) * 6, (2,)),
+        ((1,) * 4, (2, 4), (1, 1)),
+    ]:
+        for place in slices_from_chunks(chunks):
+            assert fuse._contiguous(place, out.shape) == out[place].flags.c_contiguous, place
+
+
 @needs_fuse
 def test_open_mfdataset_defaults_join_stores(
     tmp_path: Path, joined_calls: list[int], store_factory: Any

@@ -10,6 +10,9 @@ being computed, after culling (so only the blocks the computation needs), across
 variables and stores, and replaces them with a few group tasks, each reading at most
 ``xarray_gds.fuse_bytes`` of blocks in one joined read (one file batch and one decode
 per codec chain), and one cheap task a block that takes its block from its group.
+Where the computation is the array itself (``ds.load()``, ``.compute()``), dask's final
+concatenation of its blocks (a task of the graph since dask 2025.1) becomes one task
+that copies each block from its group into one new array, and the per-block tasks go.
 
 Blocks come back as they would without it: CuPy blocks through
 :class:`~xarray_gds.chunks.GdsDaskManager`, numpy blocks through xarray's default
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import config
+from xarray_gds import device as _device
 
 __all__ = ["available", "install", "optimize"]
 
@@ -156,6 +160,7 @@ def optimize(dsk: Any, keys: Any) -> Any:
     _warn_host_blocks(sources, {s for _, s, _ in blocks})
     groups = _groups(blocks, sources)
     root = _root_mark()
+    picks: dict[Hashable, tuple[Hashable, int]] = {}  # block key: (group key, index)
     for g, members in enumerate(groups):
         refs = sorted({s for _, s, _ in members}, key=str)
         plan = [(refs.index(s), slices) for _, s, slices in members]
@@ -169,8 +174,134 @@ def optimize(dsk: Any, keys: Any) -> Any:
         )
         for i, (key, _, _) in enumerate(members):
             graph[key] = Task(key, _pick, TaskRef(group_key), i)
-    _drop_unused(graph, {s for _, s, _ in blocks}, set(flatten(keys)))
+            picks[key] = (group_key, i)
+    slices_of = {key: slices for key, _, slices in blocks}
+    for key, task in list(graph.items()):
+        placed = _placed_finalize(task, picks, slices_of)
+        if placed is not None:
+            graph[key] = placed
+    _drop_unused(graph, {s for _, s, _ in blocks} | set(picks), set(flatten(keys)))
     return graph
+
+
+def _placed_finalize(
+    task: Any, picks: dict[Hashable, tuple[Hashable, int]], slices_of: dict[Hashable, Any]
+) -> Any:
+    """dask's final task of a computed array (``dask.array.core.finalize`` of every
+    block, which dask >= 2025 puts in the graph), rewritten to take the blocks straight
+    from their groups and copy each into its place in one new array (:func:`_place`),
+    when the blocks are all joined blocks of one array that tile it. dask's own
+    finalize concatenates CuPy blocks one axis at a time (``2n + 1``
+    ``cupy.concatenate`` calls for a grid of (n, 1, 1) blocks), and each block is a
+    task of its own for the scheduler; a ``chunks={}`` load of thousands of blocks
+    spent a sizeable part of its time on the two. None for any other task."""
+    from dask._task_spec import DataNode, List, Task, TaskRef
+    from dask.array.core import finalize
+
+    if not isinstance(task, Task) or task.func is not finalize or task.kwargs:
+        return None
+    if len(task.args) != 1 or not isinstance(task.args[0], List):
+        return None
+    leaves: list[Hashable] = []
+
+    def nest(node: Any) -> Any:
+        if isinstance(node, List):
+            return [nest(a) for a in node.args]
+        if isinstance(node, TaskRef) and node.key in picks:
+            leaves.append(node.key)
+            return len(leaves) - 1
+        raise LookupError
+
+    try:
+        structure = nest(task.args[0])
+    except LookupError:
+        return None
+    names = {k[0] if isinstance(k, tuple) else None for k in leaves}
+    if len(leaves) < 2 or len(names) != 1 or None in names:
+        return None
+    places = [slices_of[k] for k in leaves]
+    ndim = len(places[0])
+    if ndim == 0 or any(len(p) != ndim for p in places):
+        return None
+    if any(
+        not isinstance(s.start, int) or not isinstance(s.stop, int) or s.step not in (None, 1)
+        for p in places
+        for s in p
+    ):
+        return None
+    shape = tuple(max(p[d].stop for p in places) for d in range(ndim))
+    volume = sum(math.prod(s.stop - s.start for s in p) for p in places)
+    if min(s.start for p in places for s in p) != 0 or volume != math.prod(shape) or not volume:
+        return None  # (blocks of one array's grid do not overlap: equal volume is a tiling)
+    groups = sorted({picks[k][0] for k in leaves}, key=str)
+    at = {g: n for n, g in enumerate(groups)}
+    layout = [(at[picks[k][0]], picks[k][1], p) for k, p in zip(leaves, places, strict=True)]
+    spec = (structure, shape, layout)
+    return Task(task.key, _place, DataNode(None, spec), *(TaskRef(g) for g in groups))  # type: ignore[arg-type]
+
+
+def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
+    """The array of the blocks of ``groups`` (see :func:`_placed_finalize`): one new
+    array, each block copied into its place (a device-to-device ``memcpy`` where the
+    place is one run of memory). Blocks of mixed types, dtypes or devices, or not of
+    the shape of their place, go to dask's own ``finalize``."""
+    structure, shape, layout = spec
+    blocks = []
+    for g, i, _ in layout:
+        block = groups[g][i]
+        if isinstance(block, BaseException):
+            raise block
+        blocks.append(block)
+    first = blocks[0]
+    device = _device.is_device_array(first)
+
+    def placeable(block: Any, place: tuple[slice, ...]) -> bool:
+        return (
+            type(block) is type(first)
+            and block.dtype == first.dtype
+            and tuple(block.shape) == tuple(s.stop - s.start for s in place)
+            and (not device or block.device.id == first.device.id)
+        )
+
+    if not hasattr(first, "dtype") or not all(
+        placeable(b, p) for b, (_, _, p) in zip(blocks, layout, strict=True)
+    ):
+        from dask.array.core import finalize
+
+        def fill(node: Any) -> Any:
+            return [fill(n) for n in node] if isinstance(node, list) else blocks[node]
+
+        return finalize(fill(structure))
+    if not device:
+        out = np.empty(shape, dtype=first.dtype)
+        for block, (_, _, place) in zip(blocks, layout, strict=True):
+            out[place] = block
+        return out
+    cp = _device.cupy()
+    with cp.cuda.Device(first.device.id):
+        out = cp.empty(shape, dtype=first.dtype)
+        stream = cp.cuda.get_current_stream().ptr
+        for block, (_, _, place) in zip(blocks, layout, strict=True):
+            if block.flags.c_contiguous and _contiguous(place, shape):
+                start = sum(s.start * st for s, st in zip(place, out.strides, strict=True))
+                cp.cuda.runtime.memcpyAsync(
+                    out.data.ptr + start,
+                    block.data.ptr,
+                    block.nbytes,
+                    cp.cuda.runtime.memcpyDeviceToDevice,
+                    stream,
+                )
+            else:
+                out[place] = block
+    return out
+
+
+def _contiguous(place: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the C-order region ``place`` of an array of ``shape`` is one run of
+    memory: whole along every axis after the first that is not of length 1."""
+    axes = [i for i, s in enumerate(place) if s.stop - s.start != 1]
+    rest = range(axes[0] + 1, len(shape)) if axes else ()
+    return all(place[i].start == 0 and place[i].stop == shape[i] for i in rest)
 
 
 def _root_mark() -> dict[str, Any]:
