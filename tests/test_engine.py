@@ -260,6 +260,30 @@ def test_place_falls_back_to_dasks_finalize() -> None:
         fuse._place(spec, (a, ValueError("t2m/c/0: damaged")))
 
 
+def test_blocks_of_one_box_are_returned_as_the_box() -> None:
+    """Blocks that are views of one array of the result's shape at their places give
+    that array itself; any other blocks are copied into a new one."""
+    from dask.array.core import slices_from_chunks
+
+    box = np.arange(24.0).reshape(4, 6).copy()
+    places = list(slices_from_chunks(((2, 2), (3, 3))))
+    layout = [(0, i, p) for i, p in enumerate(places)]
+    spec = ([[0, 1], [2, 3]], (4, 6), layout)
+    assert fuse._place(spec, tuple(box[p] for p in places)) is box
+    copies = tuple(box[p].copy() for p in places)
+    out = fuse._place(spec, copies)
+    assert out is not box and not any(np.shares_memory(out, c) for c in copies)
+    np.testing.assert_array_equal(out, box)
+    swapped = tuple(box[places[(i + 1) % 4]] for i in range(4))  # views in wrong places
+    assert fuse._whole_base(list(swapped), places, (4, 6)) is None
+    bigger = np.arange(48.0).reshape(8, 6)  # views of a larger array are copied
+    assert fuse._whole_base([bigger[p] for p in places], places, (4, 6)) is None
+    flat = np.arange(24.0)  # views of a flat buffer of the same size: it, reshaped
+    got = fuse._place(spec, tuple(flat.reshape(4, 6)[p] for p in places))
+    assert got.shape == (4, 6) and np.shares_memory(got, flat)
+    np.testing.assert_array_equal(got, box)
+
+
 def test_contiguous_places_are_numpys() -> None:
     """fuse._contiguous says a block's place is one run of memory exactly where NumPy's
     view of it is C-contiguous (the test of the device memcpy in fuse._place)."""

@@ -241,9 +241,10 @@ def _placed_finalize(
 
 
 def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
-    """The array of the blocks of ``groups`` (see :func:`_placed_finalize`): one new
-    array, each block copied into its place (a device-to-device ``memcpy`` where the
-    place is one run of memory). Blocks of mixed types, dtypes or devices, or not of
+    """The array of the blocks of ``groups`` (see :func:`_placed_finalize`): the box
+    they are views of, where a group read them as one (:func:`_whole_base`), else one
+    new array, each block copied into its place (a device-to-device ``memcpy`` where
+    the place is one run of memory). Blocks of mixed types, dtypes or devices, or not of
     the shape of their place, go to dask's own ``finalize``."""
     structure, shape, layout = spec
     blocks = []
@@ -272,6 +273,9 @@ def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
             return [fill(n) for n in node] if isinstance(node, list) else blocks[node]
 
         return finalize(fill(structure))
+    whole = _whole_base(blocks, [p for _, _, p in layout], shape)
+    if whole is not None:
+        return whole
     if not device:
         out = np.empty(shape, dtype=first.dtype)
         for block, (_, _, place) in zip(blocks, layout, strict=True):
@@ -294,6 +298,37 @@ def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
             else:
                 out[place] = block
     return out
+
+
+def _whole_base(blocks: list[Any], places: list[tuple[slice, ...]], shape: tuple[int, ...]) -> Any:
+    """The one array all ``blocks`` are views of at their ``places``, when it holds
+    exactly an array of ``shape`` (a group reads the blocks that tile an array as one
+    box, so its blocks are views of that box, which no task but this one holds): it is
+    the result, in that shape, with no copy. None when the blocks are anything else
+    (copies, views of a larger buffer, views out of place)."""
+    base = getattr(blocks[0], "base", None)
+    if base is None or base.size != math.prod(shape) or not base.flags.c_contiguous:
+        return None
+    if base.dtype != blocks[0].dtype:
+        return None
+    strides = [base.dtype.itemsize] * len(shape)  # of the C-order array of ``shape``
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    address = _address(base)
+    for block, place in zip(blocks, places, strict=True):
+        if block.base is not base or tuple(block.strides) != tuple(strides):
+            return None
+        start = sum(s.start * st for s, st in zip(place, strides, strict=True))
+        if _address(block) != address + start:
+            return None
+    return base if tuple(base.shape) == shape else base.reshape(shape)
+
+
+def _address(array: Any) -> int:
+    """The address of an array's first element (NumPy or CuPy)."""
+    if hasattr(array, "__cuda_array_interface__"):
+        return int(array.data.ptr)
+    return int(array.__array_interface__["data"][0])
 
 
 def _contiguous(place: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
