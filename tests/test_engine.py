@@ -284,24 +284,6 @@ def test_blocks_of_one_box_are_returned_as_the_box() -> None:
     np.testing.assert_array_equal(got, box)
 
 
-def test_contiguous_places_are_numpys() -> None:
-    """fuse._contiguous says a block's place is one run of memory exactly where NumPy's
-    view of it is C-contiguous (the test of the device memcpy in fuse._place)."""
-    from dask.array.core import slices_from_chunks
-
-    out = np.empty((4, 6, 2), dtype="u1")
-    for chunks in [
-        ((1,) * 4, (6,), (2,)),
-        ((2, 2), (1,) * 6, (2,)),
-        ((2, 2), (3, 3), (2,)),
-        ((4,), (6,), (1, 1)),
-        ((1,) * 4, (1,) * 6, (2,)),
-        ((1,) * 4, (2, 4), (1, 1)),
-    ]:
-        for place in slices_from_chunks(chunks):
-            assert fuse._contiguous(place, out.shape) == out[place].flags.c_contiguous, place
-
-
 @needs_fuse
 def test_open_mfdataset_defaults_join_stores(
     tmp_path: Path, joined_calls: list[int], store_factory: Any

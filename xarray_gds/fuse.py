@@ -26,6 +26,7 @@ decodes its own share, on its own GPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -160,7 +161,7 @@ def optimize(dsk: Any, keys: Any) -> Any:
     _warn_host_blocks(sources, {s for _, s, _ in blocks})
     groups = _groups(blocks, sources)
     root = _root_mark()
-    picks: dict[Hashable, tuple[Hashable, int]] = {}  # block key: (group key, index)
+    joined: dict[Hashable, tuple[Hashable, int, Any]] = {}  # block: (group, index, slices)
     for g, members in enumerate(groups):
         refs = sorted({s for _, s, _ in members}, key=str)
         plan = [(refs.index(s), slices) for _, s, slices in members]
@@ -174,19 +175,16 @@ def optimize(dsk: Any, keys: Any) -> Any:
         )
         for i, (key, _, _) in enumerate(members):
             graph[key] = Task(key, _pick, TaskRef(group_key), i)
-            picks[key] = (group_key, i)
-    slices_of = {key: slices for key, _, slices in blocks}
+            joined[key] = (group_key, i, members[i][2])
     for key, task in list(graph.items()):
-        placed = _placed_finalize(task, picks, slices_of)
+        placed = _placed_finalize(task, joined)
         if placed is not None:
             graph[key] = placed
-    _drop_unused(graph, {s for _, s, _ in blocks} | set(picks), set(flatten(keys)))
+    _drop_unused(graph, {s for _, s, _ in blocks} | set(joined), set(flatten(keys)))
     return graph
 
 
-def _placed_finalize(
-    task: Any, picks: dict[Hashable, tuple[Hashable, int]], slices_of: dict[Hashable, Any]
-) -> Any:
+def _placed_finalize(task: Any, joined: dict[Hashable, tuple[Hashable, int, Any]]) -> Any:
     """dask's final task of a computed array (``dask.array.core.finalize`` of every
     block, which dask >= 2025 puts in the graph), rewritten to take the blocks straight
     from their groups and copy each into its place in one new array (:func:`_place`),
@@ -207,7 +205,7 @@ def _placed_finalize(
     def nest(node: Any) -> Any:
         if isinstance(node, List):
             return [nest(a) for a in node.args]
-        if isinstance(node, TaskRef) and node.key in picks:
+        if isinstance(node, TaskRef) and node.key in joined:
             leaves.append(node.key)
             return len(leaves) - 1
         raise LookupError
@@ -219,7 +217,7 @@ def _placed_finalize(
     names = {k[0] if isinstance(k, tuple) else None for k in leaves}
     if len(leaves) < 2 or len(names) != 1 or None in names:
         return None
-    places = [slices_of[k] for k in leaves]
+    places = [joined[k][2] for k in leaves]
     ndim = len(places[0])
     if ndim == 0 or any(len(p) != ndim for p in places):
         return None
@@ -233,9 +231,9 @@ def _placed_finalize(
     volume = sum(math.prod(s.stop - s.start for s in p) for p in places)
     if min(s.start for p in places for s in p) != 0 or volume != math.prod(shape) or not volume:
         return None  # (blocks of one array's grid do not overlap: equal volume is a tiling)
-    groups = sorted({picks[k][0] for k in leaves}, key=str)
+    groups = sorted({joined[k][0] for k in leaves}, key=str)
     at = {g: n for n, g in enumerate(groups)}
-    layout = [(at[picks[k][0]], picks[k][1], p) for k, p in zip(leaves, places, strict=True)]
+    layout = [(at[joined[k][0]], joined[k][1], joined[k][2]) for k in leaves]
     spec = (structure, shape, layout)
     return Task(task.key, _place, DataNode(None, spec), *(TaskRef(g) for g in groups))  # type: ignore[arg-type]
 
@@ -243,8 +241,8 @@ def _placed_finalize(
 def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
     """The array of the blocks of ``groups`` (see :func:`_placed_finalize`): the box
     they are views of, where a group read them as one (:func:`_whole_base`), else one
-    new array, each block copied into its place (a device-to-device ``memcpy`` where
-    the place is one run of memory). Blocks of mixed types, dtypes or devices, or not of
+    new array (NumPy or CuPy, on the blocks' device), each block copied into its place.
+    Blocks of mixed types, dtypes or devices, or not of
     the shape of their place, go to dask's own ``finalize``."""
     structure, shape, layout = spec
     blocks = []
@@ -276,27 +274,11 @@ def _place(spec: Any, *groups: tuple[Any, ...]) -> Any:
     whole = _whole_base(blocks, [p for _, _, p in layout], shape)
     if whole is not None:
         return whole
-    if not device:
-        out = np.empty(shape, dtype=first.dtype)
+    xp = _device.cupy() if device else np
+    with xp.cuda.Device(first.device.id) if device else contextlib.nullcontext():
+        out = xp.empty(shape, dtype=first.dtype)
         for block, (_, _, place) in zip(blocks, layout, strict=True):
             out[place] = block
-        return out
-    cp = _device.cupy()
-    with cp.cuda.Device(first.device.id):
-        out = cp.empty(shape, dtype=first.dtype)
-        stream = cp.cuda.get_current_stream().ptr
-        for block, (_, _, place) in zip(blocks, layout, strict=True):
-            if block.flags.c_contiguous and _contiguous(place, shape):
-                start = sum(s.start * st for s, st in zip(place, out.strides, strict=True))
-                cp.cuda.runtime.memcpyAsync(
-                    out.data.ptr + start,
-                    block.data.ptr,
-                    block.nbytes,
-                    cp.cuda.runtime.memcpyDeviceToDevice,
-                    stream,
-                )
-            else:
-                out[place] = block
     return out
 
 
@@ -311,32 +293,21 @@ def _whole_base(blocks: list[Any], places: list[tuple[slice, ...]], shape: tuple
         return None
     if base.dtype != blocks[0].dtype:
         return None
-    strides = [base.dtype.itemsize] * len(shape)  # of the C-order array of ``shape``
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    address = _address(base)
+    box = base if tuple(base.shape) == shape else base.reshape(shape)  # (a view)
+    address = _address(box)
     for block, place in zip(blocks, places, strict=True):
-        if block.base is not base or tuple(block.strides) != tuple(strides):
+        if block.base is not base or block.strides != box.strides:
             return None
-        start = sum(s.start * st for s, st in zip(place, strides, strict=True))
+        start = sum(s.start * st for s, st in zip(place, box.strides, strict=True))
         if _address(block) != address + start:
             return None
-    return base if tuple(base.shape) == shape else base.reshape(shape)
+    return box
 
 
 def _address(array: Any) -> int:
     """The address of an array's first element (NumPy or CuPy)."""
-    if hasattr(array, "__cuda_array_interface__"):
-        return int(array.data.ptr)
-    return int(array.__array_interface__["data"][0])
-
-
-def _contiguous(place: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
-    """Whether the C-order region ``place`` of an array of ``shape`` is one run of
-    memory: whole along every axis after the first that is not of length 1."""
-    axes = [i for i, s in enumerate(place) if s.stop - s.start != 1]
-    rest = range(axes[0] + 1, len(shape)) if axes else ()
-    return all(place[i].start == 0 and place[i].stop == shape[i] for i in rest)
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(interface["data"][0])
 
 
 def _root_mark() -> dict[str, Any]:
