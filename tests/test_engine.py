@@ -182,6 +182,49 @@ def test_groups_bounded_by_fuse_bytes(v3_store: Path, joined_calls: list[int]) -
     assert len(joined_calls) >= gds.t2m.data.npartitions // 2
 
 
+@needs_fuse
+@pytest.mark.parametrize("chunks", [{}, {"time": 3, "lat": 4}], ids=str)
+def test_read_layers_built_as_dask_builds_them(v3_store: Path, chunks: Any) -> None:
+    """The pass builds the block reads of xarray's ``from_array`` layers itself
+    (dask materializes them slowly): the same keys, functions, sources and slices as
+    dask's own materialization; layers that are not such reads are left to dask."""
+    from dask._task_spec import DataNode, TaskRef, convert_legacy_graph
+
+    ds = xr.open_dataset(v3_store, engine="gds-zarr", device="cpu", chunks=chunks)
+    graph = ds.t2m.data.__dask_graph__()
+    sources = fuse._find_sources(graph)
+    built = {n: fuse._read_layer_tasks(layer, sources) for n, layer in graph.layers.items()}
+    reads = {n: t for n, t in built.items() if t is not None}
+    assert list(reads) == [ds.t2m.data.name]  # the source's own layer is not a read
+    (tasks,) = reads.values()
+    theirs = convert_legacy_graph(dict(graph.layers[ds.t2m.data.name]))
+    assert tasks.keys() == theirs.keys() and len(tasks) == ds.t2m.data.npartitions
+    for key, task in tasks.items():
+        want = theirs[key]
+        assert task.func is want.func
+        ref, where = task.args
+        assert isinstance(ref, TaskRef) and ref.key == want.args[0].key
+        their_where = want.args[1].value if isinstance(want.args[1], DataNode) else want.args[1]
+        assert where.value == their_where
+    # the whole graph as ensure_dict gives it, and the values through the pass
+    assert fuse._materialize(graph, sources).keys() == dict(graph).keys()
+    ref_ds = xr.open_dataset(v3_store, engine="zarr", chunks=chunks)
+    xr.testing.assert_identical(ds.t2m.compute(), ref_ds.t2m.compute())
+    # a read with a lock, or of an array inlined in its tasks, is dask's to build
+    locked = xr.open_dataset(
+        v3_store, engine="gds-zarr", device="cpu", chunks=chunks, from_array_kwargs={"lock": True}
+    )
+    lgraph = locked.t2m.data.__dask_graph__()
+    lsources = fuse._find_sources(lgraph)
+    assert all(fuse._read_layer_tasks(layer, lsources) is None for layer in lgraph.layers.values())
+    inline = xr.open_dataset(
+        v3_store, engine="gds-zarr", device="cpu", chunks=chunks, inline_array=True
+    )
+    igraph = inline.t2m.data.__dask_graph__()
+    assert all(fuse._read_layer_tasks(layer, {}) is None for layer in igraph.layers.values())
+    xr.testing.assert_identical(inline.t2m.compute(), ref_ds.t2m.compute())
+
+
 @pytest.fixture
 def placed(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many times the fused graph ran fuse._place and fuse._pick."""

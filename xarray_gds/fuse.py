@@ -138,10 +138,9 @@ def optimize(dsk: Any, keys: Any) -> Any:
     from dask._task_spec import DataNode, Task, TaskRef, convert_legacy_graph
     from dask.array.core import getter, getter_inline, getter_nofancy
     from dask.core import flatten
-    from dask.highlevelgraph import ensure_dict
     from dask.optimization import cull
 
-    graph = convert_legacy_graph(ensure_dict(dsk))
+    graph = convert_legacy_graph(_materialize(dsk, sources))
     graph, _ = cull(graph, list(flatten(keys)))
     blocks: list[tuple[Hashable, Hashable, Any]] = []  # (block key, source key, slices)
     for key, task in graph.items():
@@ -182,6 +181,59 @@ def optimize(dsk: Any, keys: Any) -> Any:
             graph[key] = placed
     _drop_unused(graph, {s for _, s, _ in blocks} | set(joined), set(flatten(keys)))
     return graph
+
+
+def _materialize(dsk: Any, sources: dict[Hashable, tuple[Any, bool]]) -> dict[Hashable, Any]:
+    """The graph's tasks, as ``ensure_dict`` gives them, with the block reads of
+    ``from_array`` layers over ``sources`` built here (:func:`_read_layer_tasks`):
+    dask materializes such a ``Blockwise`` layer at about 50 us a block, and every
+    block read of a computation is replaced by this pass anyway."""
+    from dask.highlevelgraph import HighLevelGraph, ensure_dict
+
+    if not isinstance(dsk, HighLevelGraph):
+        return ensure_dict(dsk)
+    graph: dict[Hashable, Any] = {}
+    for layer in dsk.layers.values():
+        tasks = _read_layer_tasks(layer, sources)
+        graph.update(layer if tasks is None else tasks)
+    return graph
+
+
+def _read_layer_tasks(layer: Any, sources: dict[Hashable, tuple[Any, bool]]) -> Any:
+    """The block tasks of a ``from_array`` layer reading one of ``sources`` (dask's
+    ``Blockwise`` of ``getter(source, slices)`` over an ``ArraySliceDep``, no lock),
+    one ``Task`` a block with the block's slices; None for any other layer."""
+    import itertools
+
+    from dask._task_spec import DataNode, Task, TaskRef
+    from dask.array.core import getter, getter_inline, getter_nofancy
+    from dask.layers import ArraySliceDep
+
+    if type(layer).__name__ != "Blockwise" or not hasattr(layer, "task"):
+        return None
+    task = layer.task
+    if not isinstance(task, Task) or task.func not in (getter, getter_nofancy, getter_inline):
+        return None
+    if task.kwargs or len(task.args) != 2 or len(layer.indices) != 2:
+        return None
+    (src, src_ind), (dep_name, dep_ind) = layer.indices
+    dep = layer.io_deps.get(dep_name)
+    if not isinstance(src, TaskRef) or src.key not in sources or src_ind is not None:
+        return None
+    if not isinstance(dep, ArraySliceDep) or tuple(dep_ind) != tuple(layer.output_indices):
+        return None
+    if layer.concatenate or layer.new_axes or layer.output_blocks is not None:
+        return None
+    if [a.key for a in task.args if isinstance(a, TaskRef)] != [
+        "__dask_blockwise__0",
+        "__dask_blockwise__1",
+    ]:
+        return None
+    tasks: dict[Hashable, Any] = {}
+    for idx in itertools.product(*(range(n) for n in layer.numblocks[dep_name])):
+        key = (layer.output, *idx)
+        tasks[key] = Task(key, task.func, TaskRef(src.key), DataNode(None, dep[idx]))
+    return tasks
 
 
 def _placed_finalize(task: Any, joined: dict[Hashable, tuple[Hashable, int, Any]]) -> Any:
@@ -384,11 +436,14 @@ def _groups(
 
 
 def _n_workers() -> int:
-    """Workers of the current dask.distributed client (0 without one)."""
-    try:
-        from distributed import default_client
-    except ImportError:
+    """Workers of the current dask.distributed client (0 without one). A client
+    imports ``distributed``; without it, importing it here (about 0.25 s) is not done."""
+    import sys
+
+    if "distributed" not in sys.modules:
         return 0
+    from distributed import default_client
+
     try:
         client = default_client()
     except ValueError:
