@@ -193,6 +193,7 @@ def _materialize(dsk: Any, sources: dict[Hashable, tuple[Any, bool]]) -> dict[Ha
     if not isinstance(dsk, HighLevelGraph):
         return ensure_dict(dsk)
     graph: dict[Hashable, Any] = {}
+    layer: Any
     for layer in dsk.layers.values():
         tasks = _read_layer_tasks(layer, sources)
         graph.update(layer if tasks is None else tasks)
