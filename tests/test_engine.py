@@ -184,14 +184,22 @@ def test_groups_bounded_by_fuse_bytes(v3_store: Path, joined_calls: list[int]) -
 
 
 @needs_fuse
+@pytest.mark.parametrize("asarray", [True, False], ids=["asarray", "no-asarray"])
 @pytest.mark.parametrize("chunks", [{}, {"time": 3, "lat": 4}], ids=str)
-def test_read_layers_built_as_dask_builds_them(v3_store: Path, chunks: Any) -> None:
+def test_read_layers_built_as_dask_builds_them(v3_store: Path, chunks: Any, asarray: bool) -> None:
     """The pass builds the block reads of xarray's ``from_array`` layers itself
-    (dask materializes them slowly): the same keys, functions, sources and slices as
-    dask's own materialization; layers that are not such reads are left to dask."""
+    (dask materializes them slowly): the same keys, functions, arguments, sources and
+    slices as dask's own materialization (``asarray=False`` is what GdsDaskManager's
+    CuPy blocks use); layers that are not such reads are left to dask."""
     from dask._task_spec import DataNode, TaskRef, convert_legacy_graph
 
-    ds = xr.open_dataset(v3_store, engine="gds-zarr", device="cpu", chunks=chunks)
+    ds = xr.open_dataset(
+        v3_store,
+        engine="gds-zarr",
+        device="cpu",
+        chunks=chunks,
+        from_array_kwargs={} if asarray else {"asarray": False},
+    )
     graph = ds.t2m.data.__dask_graph__()
     sources = fuse._find_sources(graph)
     built = {n: fuse._read_layer_tasks(layer, sources) for n, layer in graph.layers.items()}
@@ -202,7 +210,7 @@ def test_read_layers_built_as_dask_builds_them(v3_store: Path, chunks: Any) -> N
     assert tasks.keys() == theirs.keys() and len(tasks) == ds.t2m.data.npartitions
     for key, task in tasks.items():
         want = theirs[key]
-        assert task.func is want.func
+        assert task.func is want.func and task.kwargs == want.kwargs
         ref, where = task.args
         assert isinstance(ref, TaskRef) and ref.key == want.args[0].key
         their_where = want.args[1].value if isinstance(want.args[1], DataNode) else want.args[1]
@@ -676,10 +684,9 @@ def test_host_route_reads_each_file_where_it_decodes_it(
         xr.testing.assert_identical(to_numpy(got), ref.load())
         gds, ref = _open(store, "cuda", chunks={})
         xr.testing.assert_identical(to_numpy(gds.compute()), ref.compute())
-    sharded = store.parent.name.startswith("v3-sharded")  # (store_factory's folder)
-    assert bool(deferred) != sharded  # shards' byte ranges are read first, as before
-    if sharded:
-        return
+    if store.parent.name.startswith("v3-sharded"):  # (store_factory's folder)
+        return  # shards' byte ranges are read first, as before
+    assert deferred  # (the values above came through it)
     # a damaged chunk is named, and reads afterwards are unaffected
     broken = tmp_path / "broken.zarr"
     shutil.copytree(store, broken)

@@ -202,7 +202,8 @@ def _materialize(dsk: Any, sources: dict[Hashable, tuple[Any, bool]]) -> dict[Ha
 
 def _read_layer_tasks(layer: Any, sources: dict[Hashable, tuple[Any, bool]]) -> Any:
     """The block tasks of a ``from_array`` layer reading one of ``sources`` (dask's
-    ``Blockwise`` of ``getter(source, slices)`` over an ``ArraySliceDep``, no lock),
+    ``Blockwise`` of ``getter(source, slices)`` over an ``ArraySliceDep``, no lock;
+    ``asarray=False`` kept),
     one ``Task`` a block with the block's slices; None for any other layer."""
     import itertools
 
@@ -215,7 +216,10 @@ def _read_layer_tasks(layer: Any, sources: dict[Hashable, tuple[Any, bool]]) -> 
     task = layer.task
     if not isinstance(task, Task) or task.func not in (getter, getter_nofancy, getter_inline):
         return None
-    if task.kwargs or len(task.args) != 2 or len(layer.indices) != 2:
+    kwargs = dict(task.kwargs)  # from_array's asarray=False (CuPy blocks) comes here
+    if set(kwargs) - {"asarray", "lock"} or kwargs.get("lock"):
+        return None
+    if len(task.args) != 2 or len(layer.indices) != 2:
         return None
     (src, src_ind), (dep_name, dep_ind) = layer.indices
     dep = layer.io_deps.get(dep_name)
@@ -233,7 +237,7 @@ def _read_layer_tasks(layer: Any, sources: dict[Hashable, tuple[Any, bool]]) -> 
     tasks: dict[Hashable, Any] = {}
     for idx in itertools.product(*(range(n) for n in layer.numblocks[dep_name])):
         key = (layer.output, *idx)
-        tasks[key] = Task(key, task.func, TaskRef(src.key), DataNode(None, dep[idx]))
+        tasks[key] = Task(key, task.func, TaskRef(src.key), DataNode(None, dep[idx]), **kwargs)
     return tasks
 
 
