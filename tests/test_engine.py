@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -654,50 +653,6 @@ def test_host_route_stages_through_reused_pinned_buffers(v3_store: Path) -> None
             xr.testing.assert_identical(to_numpy(again), ref.t2m.load())
     assert isinstance(first.data, cp.ndarray)
     assert staging.allocations == allocated
-
-
-@pytest.mark.gpu
-def test_host_route_reads_each_file_where_it_decodes_it(
-    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On the host route, whole local chunk files are read by the thread that decodes
-    each (for large chunks; every chunk here): values and types as engine="zarr" on
-    every store kind, missing chunks read as the fill value, a damaged chunk named."""
-    import cupy as cp
-
-    from xarray_gds import decode
-
-    monkeypatch.setattr(coalesce, "DEFER_CHUNK", 0)
-    deferred: list[int] = []
-    original = decode._read_decode_staged
-
-    def spy(chain: Any, paths: list[str], keys: Any, staging: Any) -> Any:
-        deferred.append(len(paths))
-        return original(chain, paths, keys, staging)
-
-    monkeypatch.setattr(decode, "_read_decode_staged", spy)
-    with zarr.config.set({"xarray_gds.route": "host"}):
-        gds, ref = _open(store, "cuda")
-        got = gds.load()
-        for name in _numeric(ref):
-            assert isinstance(got[name].data, cp.ndarray)
-        xr.testing.assert_identical(to_numpy(got), ref.load())
-        gds, ref = _open(store, "cuda", chunks={})
-        xr.testing.assert_identical(to_numpy(gds.compute()), ref.compute())
-    if store.parent.name.startswith("v3-sharded"):  # (store_factory's folder)
-        return  # shards' byte ranges are read first, as before
-    assert deferred  # (the values above came through it)
-    # a damaged chunk is named, and reads afterwards are unaffected
-    broken = tmp_path / "broken.zarr"
-    shutil.copytree(store, broken)
-    var = zarr.open_group(broken, mode="r")["u10"]
-    first = var.metadata.encode_chunk_key((0,) * var.ndim)
-    (broken / "u10" / first).write_bytes(b"\x00" * 64)
-    with zarr.config.set({"xarray_gds.route": "host"}):
-        damaged = xr.open_dataset(broken, engine="gds-zarr", device="cuda")
-        with pytest.raises(ChunkDecodeError, match=rf"u10/{first}"):
-            damaged.u10.load()
-        xr.testing.assert_identical(to_numpy(_open(store, "cuda")[0].t2m.load()), ref.t2m.load())
 
 
 # -- one loop for reads larger than a batch, and any zarr Store as a source ---------

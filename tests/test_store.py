@@ -15,7 +15,6 @@ from zarr.core.buffer import Buffer, cpu
 from zarr.testing.store import StoreTests
 
 from xarray_gds import GdsStore
-from xarray_gds import store as gds_store
 from xarray_gds.store import is_metadata_key
 
 
@@ -420,27 +419,3 @@ def test_reads_without_stat_match_the_files(
             if data is not None:
                 at = int(batch.offsets[i])
                 assert got[at : at + len(data)].tobytes() == data, paths[i]
-
-
-def test_read_file_whole_missing_and_into_scratch(tmp_path: Path) -> None:
-    """read_file gives a file's bytes, None for a missing file or a directory; with
-    ``scratch`` the bytes sit in this thread's reused buffer (the host route reads a
-    chunk there and decodes it before the thread reads the next one)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.write_bytes(bytes(range(256)) * 40)
-    b.write_bytes(b"\x07" * 100)
-    whole = gds_store.read_file(str(a))
-    assert whole is not None and whole.tobytes() == a.read_bytes()
-    assert gds_store.read_file(str(tmp_path / "missing")) is None
-    assert gds_store.read_file(str(tmp_path)) is None
-    first = gds_store.read_file(str(a), scratch=True)
-    assert first is not None and first.tobytes() == a.read_bytes()
-    second = gds_store.read_file(str(b), scratch=True)
-    assert second is not None and second.tobytes() == b.read_bytes()
-    assert np.shares_memory(first, second)  # one buffer, reused
-    big = gds_store.SCRATCH_MAX + 1  # larger files get their own array
-    (tmp_path / "big").write_bytes(b"\x01" * big)
-    alone = gds_store.read_file(str(tmp_path / "big"), scratch=True)
-    assert alone is not None and alone.size == big and not np.shares_memory(alone, second)
-    deferred = gds_store.DeferredFiles([str(a), str(b), str(tmp_path / "missing")])
-    assert len(deferred) == 3 and deferred.subset([2, 0]).paths == [deferred.paths[2], str(a)]

@@ -40,7 +40,7 @@ from xarray_gds import decode, route, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging
 from xarray_gds.codecs import DecodeChain
-from xarray_gds.store import DeferredFiles, read_files_device, read_files_host
+from xarray_gds.store import read_files_device, read_files_host
 
 __all__ = ["ReadEngine", "engine", "fetch_decode", "fetch_decode_many", "fetch_decode_parts"]
 
@@ -231,7 +231,7 @@ class ReadEngine:
                 for r in group:
                     r.host_decode = host
             with _on_gpu(group[0]):
-                fetched = _deferred(group) or _read_group(group)
+                fetched = _read_group(group)
                 with cond:  # the next group's read may start while this one decodes
                     self.decoders.add(token)
                     self.reader = None
@@ -450,27 +450,7 @@ def _read_whole(group: list[_Request]) -> Any:
     return sources.read(spread, paths, on_device, slots)
 
 
-#: Decoded chunk size from which the host route reads each file where it decodes it.
-DEFER_CHUNK = 256 << 10
-
-
-def _deferred(group: list[_Request]) -> DeferredFiles | None:
-    """The group's files, to be read where they are decoded
-    (:func:`xarray_gds.decode.decode_staged`): for a group decoding on the host for the
-    device whose requests read whole local files of large chunks; None otherwise."""
-    ok = all(
-        r.host_decode
-        and r.ranges is None
-        and (r.source is None or r.source.kind == "local")
-        and r.chain.nbytes >= DEFER_CHUNK
-        for r in group
-    )
-    return DeferredFiles([p for r in group for p in r.paths]) if ok else None
-
-
 def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:
-    if isinstance(fetched, DeferredFiles):
-        return fetched.subset(idx.tolist())
     if on_device:
         return DeviceBatch(fetched.arena, fetched.offsets[idx], fetched.sizes[idx])
     return [fetched[i] for i in idx.tolist()]

@@ -14,9 +14,8 @@ import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
-from xarray_gds.batch import PinnedStaging, parallel
+from xarray_gds.batch import PinnedStaging
 from xarray_gds.codecs import DecodeChain, host
-from xarray_gds.store import DeferredFiles, read_file
 
 __all__ = [
     "batch_bytes",
@@ -157,20 +156,13 @@ def _copy_stream() -> Any:
 
 
 def decode_staged(
-    chain: DecodeChain,
-    fetched: list[Any] | DeferredFiles,
-    keys: Sequence[str],
-    staging: PinnedStaging,
+    chain: DecodeChain, fetched: list[Any], keys: Sequence[str], staging: PinnedStaging
 ) -> tuple[list[int], Any]:
     """:func:`decode_fetched` of host-fetched chunks for the device: the host codecs
     decode into a pinned buffer leased from ``staging`` (none is allocated per
     request once it has grown), each row is copied to the current device as soon as
     it is decoded (the copies overlap the decoding of the rest), and the filters and
-    the final layout run on the device, as after an nvCOMP decode. Files not read yet
-    (:class:`~xarray_gds.store.DeferredFiles`) are read each by the thread that
-    decodes it (:func:`_read_decode_staged`)."""
-    if isinstance(fetched, DeferredFiles):
-        return _read_decode_staged(chain, fetched.paths, keys, staging)
+    the final layout run on the device, as after an nvCOMP decode."""
     present = [i for i, data in enumerate(fetched) if data is not None]
     if not present:
         return present, None
@@ -192,45 +184,6 @@ def decode_staged(
         finally:  # the buffer goes back to the pool: no copy may still read it
             stream.synchronize()
     data = rows
-    for f in chain.filters:
-        data = f.apply(data, cp)
-    return present, chain.finish(data, cp)
-
-
-def _read_decode_staged(
-    chain: DecodeChain, paths: list[str], keys: Sequence[str], staging: PinnedStaging
-) -> tuple[list[int], Any]:
-    """:func:`decode_staged` of local files, each read and decoded by one thread of the
-    pool (into its scratch buffer, then into its pinned row) and copied to the device
-    at once: a thread's read overlaps the others' decoding. On an H200 host, the 8
-    files of a step of 4 MiB zstd chunks took 1.6 ms to read in parallel before
-    this, next to a decode of 6.9 ms."""
-    cp = _device.cupy()
-    n, nbytes = len(paths), chain.nbytes
-    rows = cp.empty((n, nbytes), dtype=np.uint8)
-    device = rows.device.id
-    stream = _copy_stream()
-    found = np.zeros(n, dtype=bool)
-    with staging.lease(n * nbytes) as pinned:
-        out = pinned.reshape(n, nbytes)
-
-        def one(i: int) -> None:
-            raw = read_file(paths[i], scratch=True)
-            if raw is None:
-                return
-            decode_host(chain, [raw], Picked(keys, [i]), out[i : i + 1])
-            with cp.cuda.Device(device):
-                rows[i].set(out[i], stream=stream)
-            found[i] = True
-
-        try:
-            parallel(one, n, min_items=2)
-        finally:  # the buffer goes back to the pool: no copy may still read it
-            stream.synchronize()
-    present = np.flatnonzero(found).tolist()
-    if not present:
-        return present, None
-    data = rows if len(present) == n else rows[np.asarray(present)]
     for f in chain.filters:
         data = f.apply(data, cp)
     return present, chain.finish(data, cp)

@@ -26,12 +26,10 @@ if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
 __all__ = [
-    "DeferredFiles",
     "DeviceBatch",
     "GdsStore",
     "is_metadata_key",
     "read_files_device",
-    "read_file",
     "read_files_host",
     "read_threads",
 ]
@@ -85,67 +83,26 @@ def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:
-        out[i] = read_file(paths[i])
+        # os-level calls: half the cost of a Python file object for small chunks
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                info = os.fstat(fd)
+                if stat.S_ISDIR(info.st_mode):
+                    return
+                data = np.empty(info.st_size, dtype=np.uint8)
+                got = 0
+                while got < data.size:  # one call reads at most about 2 GiB
+                    n = os.preadv(fd, [data[got:]], got)
+                    if not n:
+                        break
+                    got += n
+                out[i] = data[:got]
+            finally:
+                os.close(fd)
 
     parallel(one, len(paths), min_items=2)  # a chunk file is usually worth a thread
     return out
-
-
-def read_file(path: str, scratch: bool = False) -> np.ndarray | None:
-    """A whole file as a uint8 array, ``None`` when it is missing (or a directory).
-
-    ``scratch``: read into this thread's scratch buffer (kept from one call to the
-    next, so its pages are already mapped), valid until the thread's next such call;
-    for a caller that is done with the bytes before it reads again.
-    """
-    # os-level calls: half the cost of a Python file object for small chunks
-    with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            info = os.fstat(fd)
-            if stat.S_ISDIR(info.st_mode):
-                return None
-            data = _scratch(info.st_size) if scratch else np.empty(info.st_size, np.uint8)
-            got = 0
-            while got < data.size:  # one call reads at most about 2 GiB
-                n = os.preadv(fd, [data[got:]], got)
-                if not n:
-                    break
-                got += n
-            return data[:got]
-        finally:
-            os.close(fd)
-    return None
-
-
-_scratch_local = threading.local()
-#: Files larger than this are read into a new array, not a thread's scratch buffer.
-SCRATCH_MAX = 16 << 20
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """``nbytes`` of this thread's scratch buffer (grown to a power of two as needed)."""
-    if nbytes > SCRATCH_MAX:
-        return np.empty(nbytes, np.uint8)
-    buf = getattr(_scratch_local, "buf", None)
-    if buf is None or buf.size < nbytes:
-        buf = _scratch_local.buf = np.empty(max(1 << 20, 1 << (nbytes - 1).bit_length()), np.uint8)
-    return buf[:nbytes]
-
-
-@dataclass(frozen=True)
-class DeferredFiles:
-    """Local chunk files not read yet: the host route reads each where it decodes it
-    (:func:`xarray_gds.decode.decode_staged`), so that the reads of a batch overlap
-    the decoding of its other chunks instead of all coming first."""
-
-    paths: list[str]
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def subset(self, idx: Iterable[int]) -> DeferredFiles:
-        return DeferredFiles([self.paths[i] for i in idx])
 
 
 def write_file(path: str, data: Any) -> None:
