@@ -446,6 +446,34 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "decode.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
 
 
+def test_bench_shard_chunks_are_one_block_a_shard(tmp_path: Path) -> None:
+    """usage-sharded-shards' chunks= gives dask blocks of exactly one shard each."""
+    from xarray_gds import bench
+
+    spec = bench.CASES["usage-sharded-shards"]
+    path = bench.make_store(tmp_path / "s.zarr", int(0.004e9), **spec["store"])
+    chunks = bench._shard_chunks(path)
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", chunks=chunks)
+    shards = ds.t.encoding["shards"]
+    assert tuple(chunks.values()) == tuple(shards) and ds.t.encoding["chunks"] != tuple(shards)
+    assert all(
+        c == s for dim, s in zip(ds.t.dims, shards, strict=True) for c in ds.t.chunksizes[dim][:-1]
+    )
+    xr.testing.assert_identical(ds.t.compute(), xr.open_dataset(path, engine="zarr").t.load())
+    with pytest.raises(ValueError, match="not sharded"):
+        bench._shard_chunks(bench.make_store(tmp_path / "plain.zarr", int(0.002e9), 64 << 10))
+
+
+@pytest.mark.gpu
+def test_bench_usage_sharded_shards_case(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--case", "usage-sharded-shards", "--size-gb", "0.02", "--repeat", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| usage-sharded-shards |" in out and "| gds-zarr |" in out and "| zarr |" in out
+
+
 def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The netcdf-refs case on the host: its NetCDF4 file holds the bench store's values,
     and every reader of it is timed."""

@@ -276,6 +276,12 @@ def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[
                 "zarr": lambda: _on_gpu(_zarr(p, chunks={}).compute()),
                 **_raw(p),
             }
+        if kind == "shards":  # dask blocks of one shard each, for both engines
+            shards = _shard_chunks(p)
+            return {
+                "gds-zarr": lambda: _gds(p, chunks=shards).compute(),
+                "zarr": lambda: _on_gpu(_zarr(p, chunks=shards).compute()),
+            }
         if kind == "async":
             return {
                 "gds-zarr": lambda: _async_load(_gds(p)),
@@ -291,6 +297,16 @@ def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[
         raise ValueError(kind)
 
     return contenders
+
+
+def _shard_chunks(path: Path) -> dict[str, int]:
+    """The ``chunks=`` of one dask block a shard of the store's first variable."""
+    ds = xr.open_dataset(path, engine="zarr", consolidated=True)
+    var = next(iter(ds.data_vars.values()))
+    shards = var.encoding.get("shards")
+    if not shards:
+        raise ValueError(f"{path} is not sharded: its first variable has no shards")
+    return {str(d): int(n) for d, n in zip(var.dims, shards, strict=True)}
 
 
 def _write_contenders(path: Path) -> dict[str, Callable[[], Any]]:
@@ -678,6 +694,13 @@ CASES: dict[str, dict[str, Any]] = {
         "repeat": 1,
         "store": {"chunk_bytes": 144 << 10, "shard_bytes": 6 << 20},
         "contenders": _usage("chunks"),
+    },
+    "usage-sharded-shards": {
+        "gpu": True,
+        "scale": 0.25,
+        "repeat": 1,
+        "store": {"chunk_bytes": 144 << 10, "shard_bytes": 6 << 20},
+        "contenders": _usage("shards"),
     },
     "usage-blosc-chunks": {
         "gpu": True,

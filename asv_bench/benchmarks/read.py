@@ -114,6 +114,7 @@ class Usage:
         "usage-step-16chunks",
         "usage-step-20vars",
         "usage-sharded-chunks",
+        "usage-sharded-shards",
         "usage-blosc-chunks",
     ]
     param_names: ClassVar[list[str]] = ["case"]
