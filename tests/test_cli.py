@@ -474,6 +474,25 @@ def test_bench_usage_sharded_shards_case(
     assert "| usage-sharded-shards |" in out and "| gds-zarr |" in out and "| zarr |" in out
 
 
+def test_bench_s3_server_is_a_loopback_process_of_its_own() -> None:
+    """The remote case's moto server runs in a process of its own on 127.0.0.1 (not in
+    the measured client's), answering S3 calls."""
+    pytest.importorskip("moto.server", reason="needs moto[server]")
+    s3fs = pytest.importorskip("s3fs")
+    import threading
+
+    from xarray_gds import bench
+
+    before = threading.active_count()
+    options = bench._loopback_s3()
+    assert options["endpoint_url"].startswith("http://127.0.0.1:")
+    assert threading.active_count() == before  # no server threads in this process
+    fs = s3fs.S3FileSystem(**options)
+    fs.pipe("bench/probe", b"chunk bytes")
+    assert fs.cat("bench/probe") == b"chunk bytes"
+    assert bench._loopback_s3() is options  # started once
+
+
 def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The netcdf-refs case on the host: its NetCDF4 file holds the bench store's values,
     and every reader of it is timed."""

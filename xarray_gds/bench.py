@@ -500,32 +500,47 @@ _S3: dict[str, Any] = {}
 
 
 def _loopback_s3() -> dict[str, Any]:
-    """storage_options of a moto S3 server on 127.0.0.1 (a free port), started once."""
+    """storage_options of a moto S3 server on 127.0.0.1 (a free port), started once in
+    a process of its own (``python -m moto.server``), as a real server is: in this
+    process its request handling (about 100 ``stat`` calls a request, looking up its
+    backends) would take the GIL from the client being measured."""
     if not _S3:
         import atexit
-        import logging
         import socket
+        import subprocess
+        import sys
+        import time
 
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request else
+        import boto3
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        atexit.register(server.stop)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        atexit.register(_stop, server)
         endpoint = f"http://127.0.0.1:{port}"
-        import boto3
-
-        boto3.client(
+        client = boto3.client(
             "s3",
             endpoint_url=endpoint,
             aws_access_key_id="bench",
             aws_secret_access_key="bench",
             region_name="us-east-1",
-        ).create_bucket(Bucket="bench")
+        )
+        for _ in range(300):  # up to 30 s for the server to answer
+            if server.poll() is not None:
+                raise RuntimeError(f"the moto server exited with {server.returncode}")
+            try:
+                client.create_bucket(Bucket="bench")
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        else:
+            _stop(server)
+            raise RuntimeError(f"the moto server on {endpoint} did not answer in 30 s")
         _S3.update(
             key="bench",
             secret="bench",
@@ -533,6 +548,14 @@ def _loopback_s3() -> dict[str, Any]:
             client_kwargs={"region_name": "us-east-1"},
         )
     return _S3
+
+
+def _stop(server: Any) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except Exception:
+        server.kill()
 
 
 def _remote_contenders(path: Path) -> dict[str, Callable[[], Any]]:
