@@ -119,7 +119,7 @@ def read_boxes(items: list[tuple[Any, tuple[Any, ...], _device.Device]]) -> list
     joined = [i for i, p in enumerate(plans) if p is not None and len(p.parts) == 1]
     fetched = coalesce.fetch_decode_many(
         [
-            (p.store, p.chain, p.reader.keys(0, p.box.grid[0]), p.on_device)
+            (p.store, p.chain, p.reader.keys(0, p.box.grid[0]), p.on_device, None, p.sink())
             for p in (plans[i] for i in joined)
             if p is not None
         ]
@@ -155,6 +155,15 @@ class _Planned:
 
     def result(self) -> Any:
         return self.out.squeeze(axis=self.box.drop) if self.box.drop else self.out
+
+    def sink(self) -> Any:
+        """For a host read in one part: a callable that places chunk ``k`` of the box
+        into the output as soon as the engine has decoded it (the engine may stream
+        such reads, :func:`xarray_gds.coalesce._serve_streamed`); None on the device."""
+        if self.on_device:
+            return None
+        out, reader = self.out, self.reader
+        return lambda k, chunk: reader.place_one(out, 0, k, chunk)
 
     def read_parts(self) -> Any:
         """Part by part (:func:`xarray_gds.coalesce.fetch_decode_parts`: part k + 1 read
@@ -248,6 +257,26 @@ class _Reader:
             return [prefix + self.encode(tuple(c)) for c in rows]
         return [prefix + lead + sep.join(map(str, c)) for c in rows]
 
+    def _where(self, r0: int, k: int) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """``(in out, in the chunk)``: where chunk ``k`` of the rows from ``r0`` on
+        (C order of the box's grid) goes, and which part of it."""
+        box, cs = self.box, self.chain.chunk_shape
+        at = np.unravel_index(k, (max(1, box.grid[0] - r0), *box.grid[1:]))
+        dst, src = [], []
+        for axis, (g, c) in enumerate(zip(at, cs, strict=True)):
+            origin = (box.lo[axis] + (r0 if axis == 0 else 0) + int(g)) * c
+            first = max(box.start[axis], origin)
+            last = min(box.stop[axis], origin + c)
+            dst.append(slice(first - box.start[axis], last - box.start[axis]))
+            src.append(slice(first - origin, last - origin))
+        return tuple(dst), tuple(src)
+
+    def place_one(self, out: Any, r0: int, k: int, chunk: Any) -> None:
+        """Copy the part of the box that chunk ``k`` of the rows from ``r0`` on holds
+        into ``out``."""
+        dst, src = self._where(r0, k)
+        out[dst] = chunk[src]
+
     def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
         ``out``; ``decoded`` is what :func:`xarray_gds.decode.decode_fetched` returns for them."""
@@ -255,6 +284,10 @@ class _Reader:
         present, chunks = decoded
         row = math.prod(box.grid[1:])  # chunks a row
         n_keys = (r1 - r0) * row
+        if chunks is coalesce.STREAMED:  # placed by the sink: the fill value where missing
+            for k in sorted(set(range(n_keys)) - set(present)):
+                out[self._where(r0, k)[0]] = self.fill
+            return
         if len(present) < n_keys:  # missing chunks read as the fill value
             whole = xp.full((n_keys, *chain.chunk_shape), self.fill, dtype=out.dtype)
             if present:
@@ -283,18 +316,9 @@ class _Reader:
         if self.on_device:
             rows(0, n_rows)
         elif n_rows < 4 and n_keys > 1:  # few rows of several chunks: one chunk a task
-            grid = (n_rows, *box.grid[1:])
 
             def one(k: int) -> None:
-                at = np.unravel_index(k, grid)
-                dst, src = [], []
-                for axis, (g, c) in enumerate(zip(at, cs, strict=True)):
-                    origin = (box.lo[axis] + (r0 if axis == 0 else 0) + int(g)) * c
-                    first = max(box.start[axis], origin)
-                    last = min(box.stop[axis], origin + c)
-                    dst.append(slice(first - box.start[axis], last - box.start[axis]))
-                    src.append(slice(first - origin, last - origin))
-                out[tuple(dst)] = chunks[k][tuple(src)]
+                self.place_one(out, r0, k, chunks[k])
 
             host.parallel(one, n_keys, min_items=2 if chain.nbytes >= 256 << 10 else 4)
         elif n_rows == 1:

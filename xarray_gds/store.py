@@ -30,6 +30,7 @@ __all__ = [
     "GdsStore",
     "is_metadata_key",
     "read_files_device",
+    "read_file",
     "read_files_host",
     "read_threads",
 ]
@@ -83,26 +84,32 @@ def read_files_host(paths: list[str]) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = [None] * len(paths)
 
     def one(i: int) -> None:
-        # os-level calls: half the cost of a Python file object for small chunks
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            fd = os.open(paths[i], os.O_RDONLY)
-            try:
-                info = os.fstat(fd)
-                if stat.S_ISDIR(info.st_mode):
-                    return
-                data = np.empty(info.st_size, dtype=np.uint8)
-                got = 0
-                while got < data.size:  # one call reads at most about 2 GiB
-                    n = os.preadv(fd, [data[got:]], got)
-                    if not n:
-                        break
-                    got += n
-                out[i] = data[:got]
-            finally:
-                os.close(fd)
+        out[i] = read_file(paths[i])
 
     parallel(one, len(paths), min_items=2)  # a chunk file is usually worth a thread
     return out
+
+
+def read_file(path: str) -> np.ndarray | None:
+    """A whole file as a uint8 array; ``None`` when it is missing (or a directory)."""
+    # os-level calls: half the cost of a Python file object for small chunks
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                return None
+            data = np.empty(info.st_size, dtype=np.uint8)
+            got = 0
+            while got < data.size:  # one call reads at most about 2 GiB
+                n = os.preadv(fd, [data[got:]], got)
+                if not n:
+                    break
+                got += n
+            return data[:got]
+        finally:
+            os.close(fd)
+    return None
 
 
 def write_file(path: str, data: Any) -> None:
