@@ -18,6 +18,10 @@ in, while the current one decodes. Requests for different GPUs (threads with dif
 CUDA devices) are never joined, and a group is served on its own GPU. A request
 alone is served at once: nothing waits for company.
 
+Host reads of large chunks in local files that come with a sink (the box reads of
+:mod:`xarray_gds.region`) are streamed instead: each chunk is read, decoded and
+handed to its sink by one thread of the pool (:func:`_serve_streamed`).
+
 Failures stay with the request they belong to: when a joined read or decode fails,
 each request of the group is read or decoded again on its own, so that only the
 requests with a damaged or unreadable chunk raise, each naming its own chunk.
