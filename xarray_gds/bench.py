@@ -512,6 +512,7 @@ def _loopback_s3() -> dict[str, Any]:
         import time
 
         import boto3
+        import botocore.exceptions
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -536,7 +537,7 @@ def _loopback_s3() -> dict[str, Any]:
             try:
                 client.create_bucket(Bucket="bench")
                 break
-            except Exception:  # not listening yet
+            except botocore.exceptions.EndpointConnectionError:  # not listening yet
                 time.sleep(0.1)
         else:
             _stop(server)
@@ -551,10 +552,12 @@ def _loopback_s3() -> dict[str, Any]:
 
 
 def _stop(server: Any) -> None:
+    import subprocess
+
     server.terminate()
     try:
         server.wait(timeout=10)
-    except Exception:
+    except subprocess.TimeoutExpired:
         server.kill()
 
 
