@@ -174,13 +174,40 @@ def test_fuse_off_reads_each_block_alone(v3_store: Path, joined_calls: list[int]
 
 
 @needs_fuse
-def test_groups_bounded_by_fuse_bytes(v3_store: Path, joined_calls: list[int]) -> None:
+def test_groups_bounded_by_fuse_bytes(v3_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fuse_bytes`` of two full blocks, the 27 blocks of t2m (4,320 bytes, edge
+    blocks smaller) and the one block of its coordinate ``area`` (864 bytes) are read in
+    ceil(5184 / 640) = 9 groups, every block in exactly one, none more than a block over
+    the limit (a block goes to the group its middle byte falls in)."""
     gds, ref = _open(v3_store, "cpu", chunks={})
     block = gds.t2m.data.blocks[0, 0, 0].nbytes
-    with zarr.config.set({"xarray_gds.fuse_bytes": block}), dask.config.set(scheduler="sync"):
+    assert (block, gds.t2m.nbytes, gds.t2m.data.npartitions) == (320, 4320, 27)
+    assert (gds.area.nbytes, gds.area.data.npartitions) == (864, 1)
+    made: list[list[Any]] = []
+    real = fuse._groups
+
+    def spy(blocks: list[Any], sources: Any) -> Any:
+        groups = real(blocks, sources)
+        made.append(groups)
+        return groups
+
+    monkeypatch.setattr(fuse, "_groups", spy)
+    limit = 2 * block
+    with zarr.config.set({"xarray_gds.fuse_bytes": limit}), dask.config.set(scheduler="sync"):
         got = gds.t2m.compute()
     xr.testing.assert_identical(got, ref.t2m.compute())
-    assert len(joined_calls) >= gds.t2m.data.npartitions // 2
+    (groups,) = made  # the pass ran, once
+
+    def nbytes(source: Any, slices: tuple[slice, ...]) -> int:
+        itemsize = 8 if "-area-" in str(source) else 4
+        return itemsize * int(np.prod([s.stop - s.start for s in slices]))
+
+    assert len(groups) == 9
+    placed = [(source, tuple(slices)) for group in groups for _, source, slices in group]
+    assert len(placed) == len(set(placed)) == 28
+    assert sum(nbytes(*p) for p in placed) == 5184
+    for group in groups:
+        assert 0 < sum(nbytes(source, s) for _, source, s in group) <= limit + 864
 
 
 @needs_fuse
