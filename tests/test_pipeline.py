@@ -359,6 +359,13 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
     assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)
 
 
+def _t2m_part(keys: Any) -> int | None:
+    """The part of a read in parts of all of t2m that ``keys`` are (its first row of
+    chunks: 9 chunks a part), or None for keys of other variables."""
+    first = str(keys[0])
+    return int(first.split("/")[2]) if first.startswith("t2m/") else None
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["", "part-0-server-late"])
 @pytest.mark.parametrize("route", ["box", "zarr"])
 def test_large_reads_overlap_fetch_and_decode(
@@ -366,21 +373,29 @@ def test_large_reads_overlap_fetch_and_decode(
 ) -> None:
     """A read split into parts fetches part k + 1 while part k decodes, whether it goes
     through xarray_gds.region (a box) or through zarr's indexing and the pipeline, and
-    whichever of the two part servers asks first (``late``: part 1's)."""
+    whichever of the two part servers asks first (``late``: part 1's, made to ask
+    first). Ordered by events only: the decode of part k waits until the read of part
+    k + 1 has begun, which the engine lets happen whatever the threads' timing (a
+    broken overlap hangs here, and pytest-timeout fails the test)."""
     import threading
-    import time
 
     if route == "zarr":
         monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
+    asked: list[int] = []  # the parts whose server asked the engine, in order
     if late:
         real_lead = coalesce.ReadEngine._lead_or_wait
-        delayed: set[int] = set()
+        part_1_asked = threading.Event()
+        lock = threading.Lock()
 
         def late_lead(self: Any, request: Any) -> None:
-            first_part = request.series is not None and request.keys[0] == "t2m/c/0/0/0"
-            if first_part and id(request) not in delayed:
-                delayed.add(id(request))
-                time.sleep(0.5)  # part 1's server asks first
+            k = _t2m_part(request.keys) if request.series is not None else None
+            if k == 0:
+                part_1_asked.wait()  # part 0's server asks once part 1's has
+            if k is not None:
+                with lock:
+                    asked.append(k)
+            if k == 1:
+                part_1_asked.set()
             real_lead(self, request)
 
         monkeypatch.setattr(coalesce.ReadEngine, "_lead_or_wait", late_lead)
@@ -391,17 +406,20 @@ def test_large_reads_overlap_fetch_and_decode(
     real_read, real_decode = coalesce._read, decode.decode_fetched
 
     def spy_read(group: list) -> Any:
-        if group[0].keys[0].startswith("t2m/"):
-            fetch_started[sum(e.is_set() for e in fetch_started)].set()
+        for request in group:
+            k = _t2m_part(request.keys)
+            if k is not None:
+                fetch_started[k].set()
         return real_read(group)
 
     def spy_decode(chain: Any, fetched: Any, keys: list, *args: Any) -> Any:
-        if keys[0].startswith("t2m/"):
-            k = len(parts)
+        k = _t2m_part(keys)
+        if k is not None:
             parts.append(len(keys))
+            assert fetch_started[k].is_set()
             if k + 1 < 3:
-                # the next part's read is already under way while this part decodes
-                assert fetch_started[k + 1].wait(timeout=30)
+                # the next part's read is under way while this part decodes
+                fetch_started[k + 1].wait()
         return real_decode(chain, fetched, keys, *args)
 
     monkeypatch.setattr(coalesce, "_read", spy_read)
@@ -409,6 +427,8 @@ def test_large_reads_overlap_fetch_and_decode(
     got = xr.open_dataset(v3_store, engine="gds-zarr", device=device).t2m.load()
     assert parts == [9, 9, 9]
     xr.testing.assert_identical(got.as_numpy(), xr.open_dataset(v3_store, engine="zarr").t2m)
+    if late:  # the late case happened: part 1's server asked before part 0's
+        assert asked[0] == 1 and 0 in asked, asked
 
 
 def test_damaged_inner_chunk_is_named(tmp_path: Path, store_factory: Callable, device: str) -> None:
