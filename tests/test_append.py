@@ -10,9 +10,11 @@ kernel cache too), for Zarr v2, v3 and sharded v3 stores, consolidated or not.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
-import time
+import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,13 +23,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
-import zarr
 
 import xarray_gds
 from xarray_gds.store import is_metadata_key
-
-#: the oldest zarr claimed (constraints/min.txt), whose late shard writes can outlast the wait
-_OLD_ZARR = tuple(int(x) for x in zarr.__version__.split(".")[:2]) < (3, 4)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -123,10 +121,8 @@ def _each_failure(
         for consolidated, ds in want.items():
             got = _open(path, consolidated)
             xr.testing.assert_identical(got, ds)
-        # chunks may remain past the old end of appended arrays, never of new arrays
-        extra = {f for f in _files(path) - files if not f.startswith(("v/", "w/", "t/"))}
-        assert not extra, (seen[-1], extra)
-        assert all(not is_metadata_key(f) for f in _files(path) - files), seen[-1]
+        # no chunk past the old end of appended arrays, nor of new arrays
+        assert _files(path) == files, seen[-1]
     return n
 
 
@@ -208,16 +204,154 @@ def test_failed_new_variables_leave_dataset(
             with pytest.raises(Injected):
                 add(path)
         xr.testing.assert_identical(_open(path, False), _open(base, False))
-        # zarr-python lets the other writes of a failed gather run on: the store removes
-        # those of new arrays as they land
-        deadline = time.monotonic() + 10
-        while _files(path) != _files(base) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _OLD_ZARR and layout == "sharded":
-            continue  # zarr 3.3 may land a shard write later still (seen once in CI)
+        # zarr-python lets the other writes of a failed gather run on: to_zarr returns
+        # once those running finished, and refuses those that start later
         assert _files(path) == _files(base)
     path = tmp_path / "chunk-1.zarr"
     add(path)
     want = _open(base).assign(p=new.p, q=new.q)
     want.attrs.update(new.attrs)
     xr.testing.assert_identical(_open(path), want)
+
+
+# -- full disks ------------------------------------------------------------------------
+
+
+class _Writes:
+    """``xarray_gds.store.write_file`` counted for the chunk files of one store: how many
+    are running; the ``fail_at``-th one (1-based) fails with ENOSPC once another chunk
+    write has started, and the writes around it wait (at most ``hold`` seconds) for the
+    test to see ``to_zarr`` return, so that writes are still in flight when it fails."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path, fail_at: int | None) -> None:
+        from xarray_gds import store as store_module
+
+        self.real = store_module.write_file
+        self.root = os.path.realpath(root) + os.sep
+        self.fail_at = fail_at
+        self.hold = 0.5
+        self.count = 0
+        self.running = 0
+        self.lock = threading.Condition()
+        self.started = threading.Event()  #: a chunk write other than the failing one began
+        self.returned = threading.Event()  #: to_zarr returned
+        monkeypatch.setattr(store_module, "write_file", self)
+
+    def __call__(self, path: str, data: Any) -> None:
+        key = os.path.realpath(path)[len(self.root) :]
+        if not os.path.realpath(path).startswith(self.root) or is_metadata_key(key):
+            return self.real(path, data)
+        with self.lock:
+            self.count += 1
+            k = self.count
+            self.running += 1
+        try:
+            if self.fail_at is not None and k == self.fail_at:
+                self.started.wait(timeout=10)
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+            if self.fail_at is not None and k <= self.fail_at + 4:
+                self.started.set()
+                self.returned.wait(timeout=self.hold)
+            self.real(path, data)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.lock.notify_all()
+
+    def settle(self) -> int:
+        """Note that to_zarr returned; the number of chunk writes it left running (then
+        wait for them, at most 10 s, so that what they leave can be listed)."""
+        with self.lock:
+            left = self.running
+        self.returned.set()
+        with self.lock:
+            self.lock.wait_for(lambda: not self.running, timeout=10)
+        return left
+
+
+def _big(t0: int, nt: int) -> xr.Dataset:
+    rng = np.random.default_rng(t0)
+    return xr.Dataset(
+        {"v": (("t", "x"), rng.random((nt, 512)))},  # 64 KiB a chunk, incompressible
+        coords={"t": np.arange(t0, t0 + nt)},
+    )
+
+
+_BIG_CHUNKS = {"v": {"chunks": (16, 512)}}
+
+
+@pytest.mark.parametrize("writer", ["zarr", "batched", "dask"])
+@pytest.mark.parametrize("new", [False, True], ids=["append", "new-store"])
+def test_full_disk_leaves_only_referenced_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str, new: bool
+) -> None:
+    """ENOSPC at the third chunk write, with others in flight: to_zarr returns after
+    they finished, and the store holds the files it held before (an append: no chunk
+    past the old end; a new store: no file at all), nothing landing later."""
+    path = tmp_path / "s.zarr"
+    if not new:
+        xarray_gds.to_zarr(_big(0, 20), path, encoding=_BIG_CHUNKS)
+    before = _files(path) if path.exists() else set()
+    more = _on(writer, _big(20 if not new else 0, 200), monkeypatch)
+    writes = _Writes(monkeypatch, path, fail_at=3)
+    kwargs: dict[str, Any] = {"append_dim": "t"} if not new else {"encoding": _BIG_CHUNKS}
+    with pytest.raises(OSError) as info:
+        xarray_gds.to_zarr(more, path, **kwargs)
+    at_return = _files(path)
+    assert writes.settle() == 0  # no chunk write of it still running
+    assert info.value.errno == errno.ENOSPC
+    assert at_return == before
+    assert _files(path) == before
+    assert writes.count > 3
+    if not new:
+        xr.testing.assert_identical(_open(path), _big(0, 20))
+        xarray_gds.to_zarr(more, path, append_dim="t")  # the same append, with space
+        xr.testing.assert_identical(_open(path), xr.concat([_big(0, 20), _big(20, 200)], "t"))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs (root only, where mounting works)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _allocated(root: Path) -> int:
+    """Bytes allocated to the files below ``root``."""
+    return sum(f.lstat().st_blocks * 512 for f in root.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("writer", ["zarr", "batched"])
+def test_append_to_a_full_tmpfs_leaves_the_store(
+    tiny_disk: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """A real full disk: an append of 2.4 MiB to a store on a 1 MiB tmpfs fails with
+    ENOSPC, leaves the files of before and frees the space it took."""
+    path = tiny_disk / "s.zarr"
+    xarray_gds.to_zarr(_big(0, 20), path, encoding=_BIG_CHUNKS)
+    before = _files(path)
+    free, allocated = shutil.disk_usage(tiny_disk).free, _allocated(tiny_disk)
+    writes = _Writes(monkeypatch, path, fail_at=None)
+    with pytest.raises(OSError) as info:
+        xarray_gds.to_zarr(_on(writer, _big(20, 300), monkeypatch), path, append_dim="t")
+    at_return = _files(path)
+    assert writes.settle() == 0
+    assert info.value.errno == errno.ENOSPC
+    assert at_return == before
+    assert _files(path) == before
+    # the space taken is that of the files there (the last chunk, replaced, grew)
+    assert free - shutil.disk_usage(tiny_disk).free == _allocated(tiny_disk) - allocated
+    xr.testing.assert_identical(_open(path), _big(0, 20))

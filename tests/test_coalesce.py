@@ -148,8 +148,9 @@ def test_a_damaged_chunk_fails_only_its_own_read(
     assert isinstance(got[2], ChunkDecodeError)
     assert (got[2].key, got[2].codec) == ("t2m/c/1/1/1", "zstd")
     assert re.match(
-        r"cannot decode chunk 't2m/c/1/1/1' with codec 'zstd': .+\. The stored chunk is "
-        r"corrupt or truncated; rewrite it, or delete it to read the fill value\.$",
+        r"cannot decode chunk 't2m/c/1/1/1' with codec 'zstd': .+\. .+ either the stored "
+        r"chunk or the array metadata .+; only once the metadata is confirmed right, "
+        r"rewrite the chunk, or delete it to read the fill value\.$",
         str(got[2]),
     ), got[2]
     want = _reference(v3_store)

@@ -10,6 +10,7 @@ terabytes (``MemoryError`` with an empty message on the host, CuPy's
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -248,3 +249,87 @@ def test_blosc_header_sizes_are_checked(
     chunk.write_bytes(bytes(raw))
     with pytest.raises(ChunkDecodeError, match=r"'v/0.1.0' with codec 'blosc'"):
         _read(path, device, route)
+
+
+# -- advice that cannot destroy data --------------------------------------------------------
+def _metadata_says_f8(path: Path, zarr_format: int) -> None:
+    """Rewrite the metadata of ``v`` (float32 chunks) to say float64: the chunks are
+    right, the metadata is wrong, and deleting a chunk would lose its data."""
+    name = "zarr.json" if zarr_format == 3 else ".zarray"
+    meta = json.loads((path / "v" / name).read_text())
+    if zarr_format == 3:
+        meta["data_type"] = "float64"
+    else:
+        meta["dtype"] = "<f8"
+    (path / "v" / name).write_text(json.dumps(meta))
+
+
+SIZE_CASES = {  # codec: (what the decoder found, the decoded bytes it gives)
+    "zstd": ("frame declares 16384 decoded bytes", 16384),
+    "lz4": ("size prefix says 16384 bytes", 16384),
+    "bytes": ("chunk holds 16384 bytes", 16384),
+    "blosc": ("header declares 16384 decoded bytes", 16384),
+}
+
+
+def _compressor(codec: str, zarr_format: int) -> Any:
+    if codec == "bytes":
+        return None
+    if codec == "blosc":
+        return numcodecs.Blosc(cname="lz4")
+    if zarr_format == 3:
+        return zc.ZstdCodec()
+    return numcodecs.Zstd() if codec == "zstd" else numcodecs.LZ4()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("zarr_format", "codec"), [(3, "zstd"), (2, "zstd"), (2, "lz4"), (3, "bytes"), (2, "blosc")]
+)
+def test_size_mismatch_names_both_sides_and_never_advises_deleting_first(
+    tmp_path: Path, device: str, zarr_format: int, codec: str, route: str
+) -> None:
+    """A chunk whose decoded size disagrees with the metadata: the message names the
+    chunk's decoded byte count and the metadata's chunk shape x itemsize, says that
+    either may be wrong and how to check, and mentions deleting the chunk only for
+    metadata confirmed right (here the metadata is what is wrong)."""
+    path = tmp_path / "m.zarr"
+    ds = xr.Dataset({"v": (("t", "y", "x"), _values())})
+    compressor = _compressor(codec, zarr_format)
+    encoding = {"v": {"chunks": (2, 32, 64), "compressors": [compressor] if compressor else None}}
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=encoding, consolidated=False)
+    _metadata_says_f8(path, zarr_format)
+    with pytest.raises(ChunkDecodeError) as err:
+        _read(path, device, route)
+    found, decoded = SIZE_CASES[codec]
+    key = err.value.key
+    assert key in {f"v/c/{i}/{j}/0" for i in range(4) for j in range(2)} | {
+        f"v/{i}.{j}.0" for i in range(4) for j in range(2)
+    }
+    assert str(err.value) == (
+        f"cannot decode chunk {key!r} with codec {codec!r}: {found}, expected 32768. "
+        f"The chunk's decoded size ({decoded} bytes) disagrees with the metadata of array "
+        "'v' (chunk shape (2, 32, 64) x float64 itemsize 8 = 32768 bytes): either the "
+        "stored chunk or the array metadata (dtype, chunks, codecs) is wrong. To check, "
+        "read the chunk with engine='zarr' (zarr-python) and compare the dtype, chunks and "
+        "codecs in the array's zarr.json (.zarray in Zarr v2) with how the data were "
+        "written. If the metadata is wrong, fix the metadata and keep the chunk; only once "
+        "the metadata is confirmed right, rewrite the chunk, or delete it to read the fill "
+        "value."
+    )
+    assert (err.value.array, err.value.decoded, err.value.expected) == ("v", decoded, 32768)
+
+
+def test_corrupt_chunk_advice_checks_the_codecs_first(tmp_path: Path, device: str) -> None:
+    path = _unsharded(tmp_path / "z.zarr", 3, zc.ZstdCodec())
+    _chunk(path, 3).write_bytes(b"not a zstd frame at all")
+    with pytest.raises(ChunkDecodeError) as err:
+        _read(path, device, "load")
+    assert str(err.value) == (
+        "cannot decode chunk 'v/c/0/1/0' with codec 'zstd': not a zstd frame (bad magic "
+        "number). The stored chunk is corrupt or truncated, or the codecs in the metadata "
+        "of array 'v' are not those it was written with. Read it with engine='zarr' "
+        "(zarr-python) and compare the codecs in the array's zarr.json (.zarray in Zarr "
+        "v2) with how it was written; only once the metadata is confirmed right, rewrite "
+        "the chunk (deleting it reads the fill value instead of its data)."
+    )

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dask.array  # noqa: F401
 import numpy as np
 import pytest
 import xarray as xr
@@ -16,7 +17,6 @@ from xarray_gds.array import GdsBackendArray
 
 from .conftest import sample_dataset
 
-pytest.importorskip("dask.array")
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
     # xarray's announced change of open_mfdataset defaults, the same for both engines

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import dask.array  # noqa: F401
+import distributed
 import numpy as np
 import pytest
 import xarray as xr
@@ -31,9 +33,6 @@ import xarray_gds
 from xarray_gds import fuse
 
 from .conftest import sample_dataset, write_store
-
-distributed = pytest.importorskip("distributed")
-pytest.importorskip("dask.array")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),

@@ -594,3 +594,83 @@ def test_narrowed_reference_past_its_end_names_key_and_file() -> None:
     assert refs_module.narrow(inline, 2, 3).data == b"cde"
     with pytest.raises(ReferenceTargetError, match=r"'v/c/1' points at '\(inline\)'"):
         refs_module.narrow(inline, 4, 3)
+
+
+# -- byte ranges that are not ranges --------------------------------------------------------
+INT64_MAX = (1 << 63) - 1
+
+BAD_RANGES: dict[str, tuple[Callable[[int, int, int], tuple[int, int]], str]] = {
+    # name: ((offset, length, file size) -> (offset, length), what the message says)
+    "negative-offset": (lambda o, n, s: (-1, n), r"the offset -1 is negative"),
+    "negative-length": (lambda o, n, s: (o, -1), r"the length -1 is negative"),
+    "very-negative-length": (lambda o, n, s: (o, -n), r"the length -\d+ is negative"),
+    "offset-overflows": (
+        lambda o, n, s: (INT64_MAX - 10, n),
+        rf"offset {INT64_MAX - 10} \+ length \d+ is past the largest byte offset",
+    ),
+    "length-overflows": (
+        lambda o, n, s: (o, INT64_MAX),
+        rf"offset \d+ \+ length {INT64_MAX} is past the largest byte offset",
+    ),
+}
+
+
+def _as_form(tmp_path: Path, form: str, refs: dict[str, Any]) -> Any:
+    """``refs`` as a dict, a JSON file or a Parquet directory."""
+    if form == "dict":
+        return refs
+    if form == "json":
+        out = tmp_path / "refs.json"
+        out.write_text(json.dumps(refs))
+        return str(out)
+    pytest.importorskip("fastparquet", reason="Parquet references need fastparquet")
+    from kerchunk.df import refs_to_dataframe
+
+    out = tmp_path / "refs.parq"
+    refs_to_dataframe(refs, str(out), record_size=4)
+    return str(out)
+
+
+def _bad_set(tmp_path: Path, form: str, case: str) -> tuple[Any, Path]:
+    """The references of a small HDF5 file with chunk ``v/1.0`` given the range of
+    ``case``, in ``form``."""
+    path, refs = _h5(tmp_path)
+    target, offset, length = refs["refs"]["v/1.0"]
+    refs["refs"]["v/1.0"] = [target, *BAD_RANGES[case][0](offset, length, path.stat().st_size)]
+    return _as_form(tmp_path, form, refs), path
+
+
+@pytest.mark.parametrize("form", ["dict", "json", "parquet"])
+@pytest.mark.parametrize("case", BAD_RANGES)
+def test_invalid_byte_range_is_refused_naming_the_key(
+    tmp_path: Path, device: str, form: str, case: str
+) -> None:
+    """A negative offset or length (a negative length was read as the whole file) and
+    an end past int64 are refused, naming the reference's key; the other chunks read."""
+    refs, path = _bad_set(tmp_path, form, case)
+    ds = open_gds(refs, device, mask_and_scale=False)
+    with pytest.raises(refs_module.ReferenceRangeError, match=BAD_RANGES[case][1]) as err:
+        ds.v.load()
+    assert isinstance(err.value, ValueError)
+    assert err.value.key == "v/1.0"
+    assert str(err.value).startswith(f"reference 'v/1.0' (to '{path}') has an invalid byte range")
+    with pytest.raises(refs_module.ReferenceRangeError, match=r"reference 'v/1\.0'"):
+        ds.v[10:20].load()  # the chunk alone, through a box read
+    first = ds.v[:10].load()  # the other chunks still read
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(first.as_numpy().values, f["v"][:10])
+
+
+@pytest.mark.parametrize("form", ["dict", "json", "parquet"])
+def test_range_past_the_file_size_names_the_key(tmp_path: Path, device: str, form: str) -> None:
+    path, refs = _h5(tmp_path)
+    size = path.stat().st_size
+    target, _, _ = refs["refs"]["v/1.0"]
+    refs["refs"]["v/1.0"] = [target, 0, size + 1]
+    ds = open_gds(_as_form(tmp_path, form, refs), device, mask_and_scale=False)
+    with pytest.raises(
+        ReferenceTargetError,
+        match=rf"reference 'v/1\.0' points at '{path}': its {size + 1} bytes at offset 0 "
+        rf"end past the end of the {size}-byte file",
+    ):
+        ds.v.load()

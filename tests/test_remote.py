@@ -447,7 +447,8 @@ class _FaultServer(http.server.ThreadingHTTPServer):
     Content-Length, then half the body, then closes the connection; ``"short"``
     answers a byte range that does not reach the end of the object (inner chunks of a
     shard, not its index) with half the bytes asked for, and a Content-Length that
-    says so; ``"slow"`` answers after ``delay`` seconds; ``"forbid"`` answers 403."""
+    says so; ``"slow"`` answers after ``delay`` seconds; ``"forbid"`` answers 403,
+    ``"fail"`` 500."""
 
     daemon_threads = True  # a handler still asleep does not hold up the stop
     # room for every connection of a batch at once: with the default backlog (5) the
@@ -513,6 +514,9 @@ class _FaultHandler(_RangeHandler):
                 return
         elif fault == "forbid":
             self.send_error(403)
+            return
+        elif fault == "fail":
+            self.send_error(500)
             return
         elif fault == "short" and self._short():
             return
@@ -812,3 +816,223 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
         r"the server sent fewer bytes than asked for \(\d+ of the \d+ bytes",
     ):
         ds.t.load()
+
+
+# --- no secret in any message, on any path (issue 29) ------------------------------
+
+URL_SECRET = "urlpass-7f3c9e1d"  # the password of a URL's user information
+OPTION_SECRET = "optsecret-41b2a8c0"  # a password in storage_options
+HEADER_SECRET = "hdrtoken-93d0c6e5"  # an HTTP header value
+SECRETS = (URL_SECRET, OPTION_SECRET, HEADER_SECRET)
+
+
+def _with_userinfo(url: str) -> str:
+    return url.replace("http://", f"http://reader:{URL_SECRET}@", 1)
+
+
+def _http_options(where: str) -> dict:
+    """Secrets in the headers, and (without user information in the URL: aiohttp takes
+    credentials from one or the other) in the session's default headers."""
+    if where == "userinfo":
+        return {"headers": {"X-Api-Key": HEADER_SECRET}}
+    return {
+        "headers": {"Authorization": f"Bearer {HEADER_SECRET}"},
+        "client_kwargs": {"headers": {"X-Password": OPTION_SECRET}},
+    }
+
+
+def _texts(err: BaseException) -> list[str]:
+    """str and repr of ``err`` and of every exception chained to it (``__cause__``,
+    ``__context__``, members of groups), and the traceback as printed."""
+    import traceback
+
+    texts = ["".join(traceback.format_exception(err))]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts += [str(e), repr(e), str(getattr(e, "args", ""))]
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return texts
+
+
+def _closed_url() -> str:
+    return f"http://127.0.0.1:{_free_port()}/one.zarr"  # nothing listens there
+
+
+def _open(url: str, options: dict) -> xr.Dataset:
+    return xr.open_dataset(url, engine="gds-zarr", device="cpu", storage_options=options)
+
+
+def _read_t(faulty, fault: str, url_of, options: dict) -> None:
+    server = faulty(fault)
+    _open(url_of(server.url), options).t.load()
+
+
+def _read_after_stop(faulty, url_of, options: dict) -> None:
+    server = faulty("none")
+    ds = _open(url_of(server.url), options)
+    server.stop()
+    ds.load()
+
+
+def _write(url_of, options: dict) -> None:
+    import xarray_gds
+
+    url = url_of(_closed_url()).replace("one.zarr", "new.zarr")
+    xarray_gds.to_zarr(_dataset(), url, storage_options=options, mode="w")
+
+
+#: path -> (what runs, given faulty, http_root, the URL's rewrite and the options;
+#: the error it raises)
+SECRET_PATHS = {
+    "open-server-down": (lambda f, h, u, o: _open(u(_closed_url()), o), ConnectionError),
+    "open-403": (lambda f, h, u, o: _open(u(f"{h}/private/one.zarr"), o), PermissionError),
+    "open-missing": (lambda f, h, u, o: _open(u(f"{h}/absent.zarr"), o), FileNotFoundError),
+    "read-403": (lambda f, h, u, o: _read_t(f, "forbid", u, o), PermissionError),
+    "read-500": (lambda f, h, u, o: _read_t(f, "fail", u, o), OSError),
+    "read-truncated": (lambda f, h, u, o: _read_t(f, "truncate", u, o), ConnectionError),
+    "read-server-gone": (lambda f, h, u, o: _read_after_stop(f, u, o), ConnectionError),
+    "write-server-down": (lambda f, h, u, o: _write(u, o), OSError),
+}
+
+
+@pytest.mark.parametrize("where", ["userinfo", "options"])
+@pytest.mark.parametrize("path", SECRET_PATHS)
+def test_no_secret_in_any_error_log_or_warning(faulty, http_root, caplog, where, path):
+    """Every error path, with a secret in the URL's user information or in an auth
+    object of storage_options, and in the headers: none of them in the error, its
+    repr, the exceptions chained to it, the printed traceback, the logs (every logger
+    at DEBUG) or the warnings."""
+    import logging
+    import warnings
+
+    caplog.set_level(logging.DEBUG)
+    url_of = _with_userinfo if where == "userinfo" else (lambda url: url)
+    run, kind = SECRET_PATHS[path]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(kind) as err:
+            run(faulty, http_root, url_of, _http_options(where))
+    texts = _texts(err.value)
+    texts += [caplog.text, *(r.getMessage() for r in caplog.records)]
+    texts += [str(w.message) for w in caught]
+    for text in texts:
+        for secret in SECRETS:
+            assert secret not in text, (secret, text)
+    if path.startswith(("open", "read")):  # it names the URL, without the password
+        shown = "http://***@127.0.0.1:" if where == "userinfo" else "'http://127.0.0.1:"
+        assert shown in str(err.value)
+
+
+def test_no_secret_in_retry_logs_with_userinfo(faulty, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    server = faulty("fail")
+    ds = _open(_with_userinfo(server.url), _http_options("userinfo"))
+    with pytest.raises(OSError, match=r"after 3 tries") as err:
+        ds.t.load()
+    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.remote"]
+    assert any("try 2 of 3 failed (ClientResponseError: 500" in m for m in retries), retries
+    assert any("'http://***@127.0.0.1:" in m for m in retries), retries
+    for text in [*retries, caplog.text, *_texts(err.value)]:
+        for secret in SECRETS:
+            assert secret not in text
+
+
+@pytest.mark.parametrize("where", ["userinfo", "options"])
+@pytest.mark.parametrize("case", ["ok", "server-down", "missing-group"])
+def test_no_secret_in_info(http_root, capsys, caplog, where, case):
+    """``xarray-gds info`` (its output, its errors, the group listing of a missing
+    group) with a secret in the URL and in a header."""
+    import logging
+
+    from xarray_gds import cli
+
+    caplog.set_level(logging.DEBUG)
+    base = _closed_url() if case == "server-down" else f"{http_root}/one.zarr"
+    url = _with_userinfo(base) if where == "userinfo" else base
+    argv = ["info", url, "--storage-option", f"headers.X-Api-Key={HEADER_SECRET}"]
+    if where == "options":
+        argv += ["--storage-option", f"headers.X-Password={OPTION_SECRET}"]
+    if case == "missing-group":
+        argv += ["--group", "nope"]
+    assert cli.main(argv) == (0 if case == "ok" else 2)
+    out = capsys.readouterr()
+    shown = base.replace("http://", "http://***@") if where == "userinfo" else base
+    if case == "ok":
+        assert f"store:        {shown}\n" in out.out
+    else:
+        assert shown in out.err
+    for text in (out.out, out.err, caplog.text):
+        for secret in SECRETS:
+            assert secret not in text, (secret, text)
+
+
+def test_no_secret_in_remote_references(http_root, tmp_path, caplog):
+    """A kerchunk reference set whose targets are URLs with user information, read
+    with a header secret: neither is in the errors of a target that 403s or is gone,
+    nor in the store's repr."""
+    import json
+    import logging
+
+    from xarray_gds.refs import ReferenceStore, ReferenceTargetError
+
+    caplog.set_level(logging.DEBUG)
+    meta = {"zarr_format": 2, "shape": [4], "chunks": [4], "dtype": "<i4", "compressor": None}
+    meta |= {"fill_value": 0, "filters": None, "order": "C"}
+    forbidden = _with_userinfo(f"{http_root}/private/data.bin")
+    gone = _with_userinfo(_closed_url().replace("one.zarr", "data.bin"))
+    refs = {
+        "version": 1,
+        "refs": {
+            ".zgroup": json.dumps({"zarr_format": 2}),
+            "a/.zarray": json.dumps(meta),
+            "a/.zattrs": json.dumps({"_ARRAY_DIMENSIONS": ["x"]}),
+            "a/0": [forbidden, 0, 16],
+            "b/.zarray": json.dumps(meta),
+            "b/.zattrs": json.dumps({"_ARRAY_DIMENSIONS": ["x"]}),
+            "b/0": [gone, 0, 16],
+        },
+    }
+    refs_file = tmp_path / "refs.json"
+    refs_file.write_text(json.dumps(refs))
+    options = {"remote_protocol": "http", "remote_options": _http_options("userinfo")}
+    ds = xr.open_dataset(refs_file, engine="gds-zarr", device="cpu", storage_options=options)
+    texts = [repr(ReferenceStore(str(refs_file), options)), repr(ds)]
+    for name, where in (("a", "/private/data.bin"), ("b", "/data.bin")):
+        with pytest.raises(ReferenceTargetError, match=rf"reference '{name}/0' points at") as err:
+            ds[name].load()
+        assert "'http://***@127.0.0.1:" in str(err.value) and where in str(err.value)
+        texts += _texts(err.value)
+    texts.append(caplog.text)
+    for text in texts:
+        for secret in SECRETS:
+            assert secret not in text, (secret, text)
+
+
+def test_redact_masks_userinfo_options_and_headers():
+    from xarray_gds import remote
+
+    aiohttp = pytest.importorskip("aiohttp")
+    options = {
+        "key": "AKIA-0001",
+        "client_kwargs": {"auth": aiohttp.BasicAuth("u", OPTION_SECRET)},
+        "headers": {"X-Api-Key": HEADER_SECRET, "Accept": "*/*"},
+        "remote_options": {"proxy_password": "proxy-pass-1", "sas_token": "sas-token-2"},
+    }
+    url = f"s3://someone:{URL_SECRET}@bucket/x.zarr"
+    text = (
+        f"{url} AKIA-0001 {OPTION_SECRET} {HEADER_SECRET} proxy-pass-1 sas-token-2 "
+        f"BasicAuth(login='someone', password='{URL_SECRET}') https://a:b%40c@host/p Accept */*"
+    )
+    assert remote.redact(text, options, url) == (
+        "s3://***@bucket/x.zarr *** *** *** *** *** BasicAuth(login='***', "
+        "password='***') https://***@host/p Accept */*"
+    )
+    assert remote.public_url("http://u:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
+    assert remote.public_url("s3://bucket/a@b") == "s3://bucket/a@b"

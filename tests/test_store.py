@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -419,3 +420,41 @@ def test_reads_without_stat_match_the_files(
             if data is not None:
                 at = int(batch.offsets[i])
                 assert got[at : at + len(data)].tobytes() == data, paths[i]
+
+
+def test_writes_do_not_follow_links_out_of_the_root(tmp_path: Path) -> None:
+    """An array directory linked to one outside the store: reads follow the link (as
+    engine="zarr" does), region writes and deletes through it are refused, naming the
+    key and the link; a link that stays inside the root is written through."""
+    import xarray as xr
+
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("t",), np.arange(8.0))})
+    xarray_gds.to_zarr(ds, tmp_path / "other.zarr", encoding={"v": {"chunks": (4,)}})
+    xarray_gds.to_zarr(ds, tmp_path / "s.zarr", encoding={"v": {"chunks": (4,)}})
+    shutil.rmtree(tmp_path / "s.zarr" / "v")
+    (tmp_path / "s.zarr" / "v").symlink_to(tmp_path / "other.zarr" / "v")
+    outside = {p: p.read_bytes() for p in (tmp_path / "other.zarr").rglob("*") if p.is_file()}
+    for engine in ("zarr", "gds-zarr"):
+        got = xr.open_dataset(tmp_path / "s.zarr", engine=engine)
+        xr.testing.assert_identical(got.load(), ds)
+    link = tmp_path / "s.zarr" / "v"
+    part = xr.Dataset({"v": (("t",), np.full(4, -1.0))})
+    with pytest.raises(ValueError, match=f"'v/c/0'.*{link} is a symbolic link"):
+        xarray_gds.to_zarr(part, tmp_path / "s.zarr", region={"t": slice(0, 4)})
+    store = GdsStore(tmp_path / "s.zarr", read_only=False)
+    with pytest.raises(ValueError, match=f"'v/c/1'.*{link} is a symbolic link"):
+        store.delete_sync("v/c/1")
+    assert {p: p.read_bytes() for p in outside} == outside
+    xr.testing.assert_identical(xr.open_dataset(tmp_path / "s.zarr", engine="zarr").load(), ds)
+    # a link inside the root is followed
+    link.unlink()
+    (tmp_path / "s.zarr" / "real").mkdir()
+    shutil.copytree(tmp_path / "other.zarr" / "v", tmp_path / "s.zarr" / "real" / "v")
+    link.symlink_to(tmp_path / "s.zarr" / "real" / "v")
+    xarray_gds.to_zarr(part, tmp_path / "s.zarr", region={"t": slice(0, 4)})
+    want = ds.copy(deep=True)
+    want.v[:4] = -1.0
+    xr.testing.assert_identical(xr.open_dataset(tmp_path / "s.zarr", engine="zarr").load(), want)
+    assert {p: p.read_bytes() for p in outside} == outside

@@ -683,7 +683,7 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             )
         *parents, last = name.split(".")
         value: Any = text
-        if last.lower() not in remote.SECRET_KEYS:  # a secret stays a string, always
+        if not remote.is_secret_key(name):  # a secret stays a string, always
             with contextlib.suppress(ValueError):
                 value = json.loads(text)
         where = options
@@ -701,25 +701,28 @@ def _run_info(args: argparse.Namespace) -> int:
     except ValueError as err:
         _error("info", err)
         return 2
+
+    def fail(message: object) -> None:  # no credential of the URL or options in it
+        _error("info", remote.redact(str(message), options, str(args.path)))
+
     try:
         store = open_store(args.path, storage_options=options or None)
     except (OSError, ValueError, KeyError) as err:
-        _error("info", err)  # names the path and says what is wrong
+        fail(err)  # names the path and says what is wrong
         return 2
     try:
         node = zarr.open(store=store, mode="r", path=args.group or "")
     except (OSError, ValueError, KeyError) as err:
         groups = _group_paths(store) if args.group else []
         if groups and args.group.strip("/") not in (g.strip("/") for g in groups):
-            _error(
-                "info",
+            fail(
                 f"group {args.group!r} not found in Zarr store {store}; the groups in it "
                 "are: " + ", ".join(repr(g) for g in groups),
             )
         elif str(args.path) in str(err):  # zarr's messages name the path
-            _error("info", err)
+            fail(err)
         else:
-            _error("info", f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
+            fail(f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
         return 2
     device, device_line = _info_device(args.device)
     if isinstance(node, zarr.Group):

@@ -7,7 +7,8 @@ the zarr adapter (:mod:`xarray_gds.pipeline`), which all decode through
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.batch import PinnedStaging
 from xarray_gds.codecs import DecodeChain, host
+from xarray_gds.errors import ChunkDecodeError
 
 __all__ = [
     "batch_bytes",
@@ -85,6 +87,28 @@ def decode_host(
 ) -> Any:
     """The chunks' stored bytes ``(n, nbytes)`` decoded by the host codecs (into
     ``out`` when given; ``done(i)`` as soon as row ``i`` is decoded, if given)."""
+    with _described(chain):
+        return _decode_host(chain, chunks, keys, out, done)
+
+
+@contextmanager
+def _described(chain: DecodeChain) -> Iterator[None]:
+    """Name the chain's chunk shape and dtype in a size mismatch raised by a decoder
+    (:meth:`ChunkDecodeError.describe`)."""
+    try:
+        yield
+    except ChunkDecodeError as err:
+        err.describe(chain.chunk_shape, chain.dtype)
+        raise
+
+
+def _decode_host(
+    chain: DecodeChain,
+    chunks: list[Any],
+    keys: Sequence[str],
+    out: np.ndarray | None,
+    done: Callable[[int], None] | None,
+) -> Any:
     if chain.crc32c:
         chunks = host.strip_crc32c(chunks, keys)
     if chain.compressor is not None and chain.compressor.name == "blosc":
@@ -214,7 +238,8 @@ def decode_fetched(
     if on_device:
         from xarray_gds.codecs import nvcomp
 
-        data = nvcomp.decode(chain, fetched, present, names)
+        with _described(chain):
+            data = nvcomp.decode(chain, fetched, present, names)
     else:
         data = decode_host(chain, [fetched[i] for i in present], names)
     for f in chain.filters:

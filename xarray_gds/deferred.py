@@ -25,6 +25,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
 
+from xarray_gds.locking import DEFAULT_TIMEOUT, WriterLock, writer_lock
 from xarray_gds.store import _is_array_metadata, is_metadata_key
 
 __all__ = ["HeldMetadataStore"]
@@ -39,6 +40,7 @@ class _Held:
         self.written: set[str] = set()  #: chunk keys written meanwhile
         self.active = True
         self.dropped: tuple[str, ...] = ()  #: prefixes of new arrays of a failed write
+        self.writer: WriterLock | None = None  #: the store's writer lock, until the end
 
 
 def _slice(value: Buffer, byte_range: ByteRequest | None) -> Buffer:
@@ -57,14 +59,33 @@ def _slice(value: Buffer, byte_range: ByteRequest | None) -> Buffer:
 
 class HeldMetadataStore(Store):
     """A zarr Store over ``store`` whose metadata writes are held until :meth:`flush`
-    (see the module). Chunk reads and writes go straight to ``store``."""
+    (see the module). Chunk reads and writes go straight to ``store``.
+
+    Made without ``held``, it takes the writer lock of ``store`` (a local or memory
+    store: see :mod:`xarray_gds.locking`), waiting at most ``lock_timeout`` seconds;
+    :meth:`flush` or :meth:`discard` gives it back.
+    """
 
     supports_partial_writes = False
 
-    def __init__(self, store: Store, held: _Held | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        held: _Held | None = None,
+        *,
+        lock_timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> None:
         super().__init__(read_only=store.read_only)
         self.store = store
-        self._state = held or _Held()
+        if held is None:
+            held = _Held()
+            held.writer = writer_lock(store, lock_timeout)
+        self._state = held
+
+    def _release(self) -> None:
+        writer, self._state.writer = self._state.writer, None
+        if writer is not None:
+            writer.release()
 
     # -- the write's life ----------------------------------------------------------------
 
@@ -102,6 +123,7 @@ class HeldMetadataStore(Store):
             raise
         finally:
             state.keys.clear()
+            self._release()
 
     def discard(self) -> None:
         """The write failed: drop the held metadata and delete the chunks it wrote for
@@ -111,7 +133,10 @@ class HeldMetadataStore(Store):
             state.active = False
             keys = dict(state.keys)
             state.keys.clear()
-        self._drop_new_arrays(keys, {k: self._get_bytes(k) for k in keys})
+        try:
+            self._drop_new_arrays(keys, {k: self._get_bytes(k) for k in keys})
+        finally:
+            self._release()
 
     def _get_bytes(self, key: str) -> bytes | None:
         got = sync(self.store.get(key, default_buffer_prototype()))

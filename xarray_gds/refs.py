@@ -30,12 +30,14 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer
 
 from xarray_gds.batch import parallel
+from xarray_gds.remote import mask_logs, public_url, redact, scrubbed
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
 __all__ = [
     "Reference",
+    "ReferenceRangeError",
     "ReferenceStore",
     "ReferenceTargetError",
     "is_reference_set",
@@ -60,12 +62,62 @@ class ReferenceTargetError(OSError):
 
     def __init__(self, key: str, target: str, reason: str) -> None:
         self.key = key
-        self.target = target
+        self.target = public_url(target)  # no user information (a password) of a URL
         super().__init__(
-            f"reference {key!r} points at {target!r}: {reason}. The references no longer "
+            f"reference {key!r} points at {self.target!r}: {reason}. The references no longer "
             "match the file: restore the file, or make the references again (kerchunk, "
             "VirtualiZarr) from the file as it is now."
         )
+
+
+#: the largest byte offset (and offset + length) a reference may give: int64's
+_MAX_BYTE = (1 << 63) - 1
+
+
+class ReferenceRangeError(ValueError):
+    """A reference whose byte range is not one: a negative offset or length, or an end
+    past what a 64-bit offset holds.
+
+    Attributes
+    ----------
+    key : str
+        The Zarr key of the reference.
+    """
+
+    def __init__(self, key: str, target: str, reason: str) -> None:
+        self.key = key
+        super().__init__(
+            f"reference {key!r} (to {public_url(target)!r}) has an invalid byte range: "
+            f"{reason}. The reference set is damaged or was not written by kerchunk or "
+            "VirtualiZarr: make the references again from the file."
+        )
+
+
+def _byte_range(key: str, part: Sequence[Any]) -> tuple[int, int]:
+    """The ``(offset, length)`` of a ``[url, offset, length]`` reference, checked;
+    ``(0, -1)`` (the whole file) for ``[url]``."""
+    if len(part) == 1:
+        return 0, -1
+    target = str(part[0])
+    if len(part) != 3:
+        raise ReferenceRangeError(key, target, f"{len(part)} items, not [url, offset, length]")
+    values = []
+    for name, value in zip(("offset", "length"), part[1:], strict=True):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer | float):
+            raise ReferenceRangeError(key, target, f"the {name} {value!r} is not an integer")
+        if isinstance(value, float) and not value.is_integer():  # NaN, inf, 1.5
+            raise ReferenceRangeError(key, target, f"the {name} {value!r} is not an integer")
+        values.append(int(value))
+    offset, length = values
+    if offset < 0:
+        raise ReferenceRangeError(key, target, f"the offset {offset} is negative")
+    if length < 0:
+        raise ReferenceRangeError(key, target, f"the length {length} is negative")
+    if offset + length > _MAX_BYTE:
+        raise ReferenceRangeError(
+            key, target, f"offset {offset} + length {length} is past the largest byte offset"
+        )
+    return offset, length
 
 
 class Reference(NamedTuple):
@@ -205,7 +257,16 @@ class ReferenceStore(Store):
         options = {"skip_instance_cache": True, **self._spec[1]}
         if isinstance(fo, str) and "remote_protocol" not in options and _is_parquet_refs(Path(fo)):
             options["remote_protocol"] = _parquet_protocol(fo)
-        self.fs = fsspec.filesystem("reference", fo=fo, **options)
+        mask_logs()  # fsspec logs the URLs of remote targets, user information and all
+        failure: BaseException | None = None
+        try:
+            self.fs = fsspec.filesystem("reference", fo=fo, **options)
+        except Exception as err:
+            failure = scrubbed(err, options, fo if isinstance(fo, str) else None)
+            if failure is None:
+                raise
+        if failure is not None:  # outside the except block: the raw error is not chained
+            raise failure from None
         self._is_open = True
 
     def __getstate__(self) -> dict[str, Any]:
@@ -222,7 +283,7 @@ class ReferenceStore(Store):
 
     def __repr__(self) -> str:
         fo = self._spec[0]
-        return f"ReferenceStore({fo if isinstance(fo, str) else '<dict>'!r})"
+        return f"ReferenceStore({public_url(fo) if isinstance(fo, str) else '<dict>'!r})"
 
     def with_read_only(self, read_only: bool = False) -> ReferenceStore:
         if not read_only:
@@ -245,7 +306,7 @@ class ReferenceStore(Store):
             # which pandas may read as NaN): missing, as fsspec's reader finds it
             return None
         url = part[0]
-        offset, size = (0, -1) if len(part) == 1 else (int(part[1]), int(part[2]))
+        offset, size = _byte_range(key, part)
         local = _local_path(url)
         if local is None:
             return Reference(key, url, offset, size, None, True)
@@ -392,10 +453,25 @@ def _read_remote(refs: Sequence[Reference | None], stores: Sequence[Any]) -> dic
         i = which[j]
         ref = refs[i]
         assert ref is not None and ref.target is not None
+        failure: ReferenceTargetError | None = None
         try:
-            got[i] = bytes(stores[i].fs.cat_file(ref.key))
-        except FileNotFoundError as err:
-            raise ReferenceTargetError(ref.key, ref.target, f"not found ({err})") from err
+            data = bytes(stores[i].fs.cat_file(ref.key))
+        except Exception as err:  # fsspec's and aiohttp's texts may hold credentials
+            options = getattr(stores[i], "_spec", (None, None))[1]
+            detail = redact(f"{type(err).__name__}: {err}", options, ref.target)
+            why = "not found" if isinstance(err, FileNotFoundError) else "cannot be read"
+            failure = ReferenceTargetError(ref.key, ref.target, f"{why} ({detail})")
+        if failure is not None:  # raised outside the except block: nothing chained
+            raise failure from None
+        if ref.size >= 0 and len(data) != ref.size:
+            raise ReferenceTargetError(
+                ref.key,
+                ref.target,
+                f"{len(data)} of its {ref.size} bytes at offset {ref.offset} came (the range "
+                "ends past the end of the file, or the file is shorter than when the "
+                "references were made)",
+            )
+        got[i] = data
 
     parallel(one, len(which), min_items=2)
     return got

@@ -8,9 +8,12 @@ in the same batches as local chunks. Credentials, endpoint and region come from
 ``endpoint_url``, ``client_kwargs={"region_name": ...}``) or from the usual AWS
 environment variables and config files (s3fs/botocore read them).
 
-Errors name the URL and never the credentials (see :func:`redact`). Chunk reads on
-the host route (:func:`read_host`) are tried again when the fault is transient (a
-dropped connection, a short body, a timeout, HTTP 5xx), at most :data:`READ_ATTEMPTS`
+Errors, reprs and logs name the URL and never the credentials (see :func:`redact`):
+user information in a URL (``http://user:password@host/...``) is shown as ``***@``,
+and the secrets of ``storage_options`` (``key``, ``secret``, ``token``, passwords,
+every HTTP header value) as ``***``, on every path (open, read, retry, listing). Chunk
+reads on the host route (:func:`read_host`) are tried again when the fault is transient
+(a dropped connection, a short body, a timeout, HTTP 5xx), at most :data:`READ_ATTEMPTS`
 times in all, and then raise an error naming the URL and the chunk key.
 """
 
@@ -18,11 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
-__all__ = ["READ_ATTEMPTS", "is_remote_url", "open_url", "read_host", "redact"]
+__all__ = [
+    "READ_ATTEMPTS",
+    "is_remote_url",
+    "mask_logs",
+    "open_url",
+    "public_url",
+    "read_host",
+    "redact",
+    "scrubbed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +62,144 @@ def is_remote_url(text: str) -> bool:
     return bool(sep) and scheme.lower() in REMOTE_SCHEMES
 
 
-def _secrets(storage_options: dict[str, Any] | None) -> list[str]:
+#: parts of storage_options key names that mark a secret (``proxy_password``,
+#: ``sas_token``, ``client_secret``, ``api_key``...)
+_SECRET_PARTS = (
+    "secret",
+    "password",
+    "passwd",
+    "token",
+    "credential",
+    "api_key",
+    "apikey",
+    "authorization",
+    "cookie",
+)
+
+#: header values shorter than this are not taken for secrets (``"1"`` would otherwise
+#: be masked in every port number and chunk key of a message)
+_MIN_HEADER_SECRET = 8
+
+#: the user information of a URL: ``scheme://`` then everything up to the last ``@``
+#: before the path (a password with a raw ``@`` in it included)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s'\"<>]*@")
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a ``storage_options`` key (``a.b.c`` for a nested one) holds a secret:
+    one of :data:`SECRET_KEYS`, a name with ``secret``, ``password``, ``token``... in
+    it, or any header (``headers.X-Api-Key``)."""
+    *parents, last = name.lower().replace("-", "_").split(".")
+    if "headers" in parents:
+        return True
+    return last in SECRET_KEYS or any(part in last for part in _SECRET_PARTS)
+
+
+def _secrets(storage_options: Any, headers: bool = False) -> list[str]:
+    """The secret strings of ``storage_options``: values of secret keys (at any depth),
+    every header value of a ``headers`` dict (8 characters or more), the password of
+    an auth object (aiohttp's ``BasicAuth``)."""
     found: list[str] = []
-    for name, value in (storage_options or {}).items():
-        if str(name).lower() in SECRET_KEYS and isinstance(value, str) and value:
-            found.append(value)
-        elif isinstance(value, dict):
-            found.extend(_secrets(value))
+    items = storage_options.items() if isinstance(storage_options, dict) else ()
+    for name, value in items:
+        secret = is_secret_key(str(name)) or str(name).lower() == "auth"
+        if isinstance(value, dict):
+            found.extend(_secrets(value, headers=str(name).lower() == "headers"))
+        elif isinstance(value, str) and value:
+            if secret or (headers and len(value) >= _MIN_HEADER_SECRET):
+                found.append(value)
+        elif isinstance(getattr(value, "password", None), str) and value.password:
+            found.append(value.password)  # aiohttp.BasicAuth(login, password)
+        elif secret and isinstance(value, tuple | list):  # auth=(user, password)
+            found.extend(v for v in value if isinstance(v, str) and len(v) >= 4)
     return found
 
 
-def redact(text: str, storage_options: dict[str, Any] | None) -> str:
-    """``text`` with every credential of ``storage_options`` replaced by ``***``."""
-    for secret in sorted(_secrets(storage_options), key=len, reverse=True):
+def _url_secrets(url: str | None) -> list[str]:
+    """The user information of ``url`` and its parts (raw and percent-decoded), those
+    of 4 characters or more (shorter ones would mask ordinary words of a message)."""
+    if not url or "://" not in url:
+        return []
+    authority = url.split("://", 1)[1].split("/", 1)[0]
+    if "@" not in authority:
+        return []
+    userinfo = authority.rpartition("@")[0]
+    user, _, password = userinfo.partition(":")
+    parts = {userinfo, user, password, unquote(userinfo), unquote(user), unquote(password)}
+    return [p for p in parts if len(p) >= 4]
+
+
+def public_url(url: str) -> str:
+    """``url`` with its user information (``user:password@``) replaced by ``***@``."""
+    return _USERINFO.sub(r"\g<scheme>***@", str(url))
+
+
+def redact(text: str, storage_options: Any = None, url: str | None = None) -> str:
+    """``text`` with every credential replaced by ``***``: the secrets of
+    ``storage_options`` (see :func:`_secrets`), the user information of every URL in
+    it, and that of ``url`` wherever it appears (aiohttp's ``BasicAuth`` repr, say)."""
+    text = str(text)
+    secrets = _secrets(storage_options) + _url_secrets(url)
+    for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
-        if secret.lower().startswith(("bearer ", "basic ")):  # the token alone, too
+        if secret.lower().startswith(("bearer ", "basic ", "token ")):  # the token alone
             text = text.replace(secret.split(" ", 1)[1], "***")
-    return text
+    return public_url(text)
+
+
+def scrubbed(err: BaseException, storage_options: Any, url: str | None) -> BaseException | None:
+    """An error of the same kind as ``err`` (``FileNotFoundError``, ``PermissionError``,
+    ``ConnectionError``, ``TimeoutError``, ``OSError``, ``ValueError``...) whose text has
+    the credentials masked (see :func:`redact`), or ``None`` when ``err``'s text holds
+    none. Raise it outside the ``except`` block so that ``err`` is not chained."""
+    text = f"{err}"
+    clean = redact(text, storage_options, url)
+    if clean == text and redact(repr(err), storage_options, url) == repr(err):
+        return None
+    for kind in (
+        FileNotFoundError,
+        PermissionError,
+        TimeoutError,
+        ConnectionError,
+        OSError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ):
+        if isinstance(err, kind):
+            return kind(clean)
+    return RuntimeError(f"{type(err).__name__}: {clean}")
+
+
+class _MaskUserinfo(logging.Filter):
+    """Masks the user information of URLs in the records of a logger (fsspec's HTTP
+    filesystem logs every URL it fetches at DEBUG, ``http://user:password@...`` whole)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = public_url(message)
+        if masked != message:
+            record.msg, record.args = masked, ()
+        return True
+
+
+#: loggers of the libraries a remote store goes through that log URLs
+_URL_LOGGERS = ("fsspec", "fsspec.http", "fsspec.reference", "s3fs", "aiohttp.client")
+_MASK = _MaskUserinfo()
+
+
+def mask_logs() -> None:
+    """Install the filter that masks URL user information on the loggers of fsspec,
+    s3fs and aiohttp (once; called when a remote store or reference set is opened)."""
+    for name in _URL_LOGGERS:
+        target = logging.getLogger(name)
+        if _MASK not in target.filters:
+            target.addFilter(_MASK)
 
 
 def _fail(url: str, storage_options: dict[str, Any] | None, what: str, err: BaseException) -> str:
-    detail = redact(f"{type(err).__name__}: {err}", storage_options)
-    return f"cannot open the remote Zarr store {url!r}: {what} ({detail})"
+    detail = redact(f"{type(err).__name__}: {err}", storage_options, url)
+    return f"cannot open the remote Zarr store {public_url(url)!r}: {what} ({detail})"
 
 
 def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSError:
@@ -129,13 +259,24 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     from zarr.storage import FsspecStore
 
     options = _with_timeout(url, dict(storage_options or {}))
+    shown = public_url(url)
+    if shown != url:
+        mask_logs()
+    # every error is raised outside its ``except`` block, so that the library's own
+    # error (whose text may hold the URL's password) is not chained as __context__
+    failure: BaseException | None = None
     try:
         store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as err:
-        raise ImportError(
-            f"reading {url!r} needs fsspec's filesystem for it ({err}); install s3fs for "
-            "s3:// URLs or aiohttp for http(s):// URLs"
-        ) from err
+        failure = ImportError(
+            f"reading {shown!r} needs fsspec's filesystem for it "
+            f"({redact(str(err), options, url)}); install s3fs for s3:// URLs or aiohttp "
+            "for http(s):// URLs"
+        )
+    except Exception as err:
+        failure = _classified(url, options, err)
+    if failure is not None:
+        raise failure from None
     if not read_only:
         return store
 
@@ -149,7 +290,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
         found = sync(probe())
     except Exception as err:
         if isinstance(err, PermissionError) or getattr(err, "status", None) in (401, 403):
-            raise PermissionError(
+            failure = PermissionError(
                 _fail(
                     url,
                     options,
@@ -158,19 +299,22 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
                     "and the bucket's policy",
                     err,
                 )
-            ) from None
-        raise _classified(url, options, err) from None
+            )
+        else:
+            failure = _classified(url, options, err)
+    if failure is not None:
+        raise failure from None
     if not found:
         where = "no zarr.json, .zgroup, .zarray or .zmetadata there"
         if url.lower().startswith(("s3://", "s3a://")):
-            bucket = url.split("://", 1)[1].split("/", 1)[0]
+            bucket = shown.split("://", 1)[1].split("/", 1)[0]
             try:
                 exists = bool(sync(store.fs._exists(bucket)))
             except Exception:
                 exists = True
             if not exists:
                 where = f"the bucket {bucket!r} does not exist (check the URL and endpoint_url)"
-        raise FileNotFoundError(f"No Zarr store at {url!r}: {where}")
+        raise FileNotFoundError(f"No Zarr store at {shown!r}: {where}")
     return store
 
 
@@ -244,11 +388,7 @@ def store_url(store: Any) -> str:
     protocol = protocol if isinstance(protocol, str) else protocol[0]
     if "://" not in path and protocol:
         path = f"{protocol}://{path.lstrip('/')}"
-    scheme, sep, rest = path.partition("://")
-    host, slash, tail = rest.partition("/")
-    if "@" in host:  # http://user:password@host/...
-        host = "***@" + host.rpartition("@")[2]
-    return f"{scheme}{sep}{host}{slash}{tail}".rstrip("/")
+    return public_url(path).rstrip("/")  # http://***@host/... for user:password@
 
 
 def _read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError:
@@ -260,7 +400,7 @@ def _read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError
     s3 = url.startswith(("s3://", "s3a://"))
     where = f"cannot read chunk {key!r} of the remote Zarr store {url!r}"
     after = f" after {tries} tries" if tries > 1 else ""
-    detail = redact(f"{type(err).__name__}: {err}", options)
+    detail = redact(f"{type(err).__name__}: {err}", options, str(getattr(store, "path", "")))
     status = getattr(err, "status", None)
     if isinstance(err, PermissionError) or status in (401, 403):
         return PermissionError(
@@ -344,18 +484,25 @@ def read_host(
             try:
                 return await once(i)
             except Exception as err:
-                if n == tries or not _transient(err):
-                    raise _read_error(stores[i], keys[i], n, err) from None
-                options = getattr(stores[i].fs, "storage_options", None)
-                logger.debug(
-                    "chunk %r of %r: try %d of %d failed (%s), trying again",
-                    keys[i],
-                    store_url(stores[i]),
-                    n,
-                    tries,
-                    redact(f"{type(err).__name__}: {err}", options),
-                )
-                await asyncio.sleep(_BACKOFF[min(n, len(_BACKOFF)) - 1])
+                failed = err
+            # raised here, not in the except block: the library's error (whose text
+            # may hold credentials) is not chained as __context__
+            if n == tries or not _transient(failed):
+                raise _read_error(stores[i], keys[i], n, failed) from None
+            fs = getattr(stores[i], "fs", None)
+            logger.debug(
+                "chunk %r of %r: try %d of %d failed (%s), trying again",
+                keys[i],
+                store_url(stores[i]),
+                n,
+                tries,
+                redact(
+                    f"{type(failed).__name__}: {failed}",
+                    getattr(fs, "storage_options", None),
+                    str(getattr(stores[i], "path", "")),
+                ),
+            )
+            await asyncio.sleep(_BACKOFF[min(n, len(_BACKOFF)) - 1])
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def every() -> list[np.ndarray | None]:
@@ -367,11 +514,14 @@ def read_host(
             async with limit:
                 return await one(i)
 
+        first: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(bounded(i)) for i in range(len(keys))]
         except BaseExceptionGroup as errors:
-            raise errors.exceptions[0] from None
+            first = errors.exceptions[0]
+        if first is not None:  # outside the except block: no group as __context__
+            raise first from None
         return [t.result() for t in tasks]
 
     found: list[np.ndarray | None] = sync(every())
@@ -485,6 +635,13 @@ def list_sizes(store: Any, keys: list[str]) -> Listing | None:
     return Listing(sizes, max(keys) if whole else last)
 
 
+def _options(store: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The storage options of ``store``'s filesystem and kvikio's open arguments (both
+    may hold credentials), for :func:`redact`."""
+    fs = getattr(store, "fs", None)
+    return {"fs": dict(getattr(fs, "storage_options", None) or {}), "kvikio": args}
+
+
 def read_device(
     stores: list[Any],
     keys: list[str],
@@ -529,16 +686,17 @@ def read_device(
         nbytes = listing.sizes.get(keys[i]) if listing is not None else None
         try:
             handles[i] = _open_remote(kvikio, urls[i], target[1], nbytes)
+            return
         except Exception as err:
-            from zarr.core.sync import sync
+            detail = redact(str(err), _options(stores[i], target[1]), urls[i])
+        from zarr.core.sync import sync
 
-            if not sync(stores[i].exists(keys[i])):
-                return  # a missing chunk: the fill value
-            raise OSError(
-                f"cannot read chunk {keys[i]!r} at {urls[i]!r}: "
-                + redact(str(err), target[1])
-                + "; check the credentials, endpoint_url and that the server is up"
-            ) from None
+        if not sync(stores[i].exists(keys[i])):
+            return  # a missing chunk: the fill value
+        raise OSError(  # outside the except block: kvikio's error is not chained
+            f"cannot read chunk {keys[i]!r} at {public_url(urls[i])!r}: {detail}; check "
+            "the credentials, endpoint_url and that the server is up"
+        ) from None
 
     parallel(open_one, len(opened), min_items=2)
     handle: list[Any] = [handles.get(first[(id(stores[i]), urls[i])]) for i in range(len(keys))]
@@ -575,6 +733,7 @@ def read_device(
     target = targets[i]
     where = f" bytes {int(starts[i])}-{int(starts[i]) + int(sizes[i]) - 1}" if ranges else ""
     raise OSError(
-        f"cannot read chunk {keys[i]!r}{where} at {urls[i]} after {retries} tries: "
-        f"{redact(errors[i], target[1] if target else None)}; check the server and the network"
+        f"cannot read chunk {keys[i]!r}{where} at {public_url(urls[i])} after {retries} "
+        f"tries: {redact(errors[i], _options(stores[i], target[1] if target else {}), urls[i])}; "
+        "check the server and the network"
     )

@@ -21,6 +21,7 @@ from zarr.storage import LocalStore
 from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, pack_offsets, parallel
+from xarray_gds.locking import DEFAULT_TIMEOUT, WriterLock, writer_lock
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
@@ -455,7 +456,9 @@ class _Deferred:
     depth: int = 1  #: nested deferrals still open
     failed: bool = False  #: one of them failed: drop the keys instead of writing them
     written: list[str] = field(default_factory=list)  #: chunk keys written meanwhile
-    dropped: tuple[str, ...] | None = None  #: prefixes of new arrays removed on failure
+    created: list[str] = field(default_factory=list)  #: those of them that were not there
+    inflight: int = 0  #: chunk writes and deletes of this deferral running now
+    lock: WriterLock | None = None  #: the store's writer lock, held until the end
 
 
 @dataclass
@@ -466,8 +469,9 @@ class _Deferrals:
     aborted: _Deferred | None = None
 
 
-#: orders chunk writes' bookkeeping against a failed write's removal of new arrays
-_deferral_lock = threading.Lock()
+#: orders chunk writes' bookkeeping against the end of a deferral, which waits on it
+#: for the chunk writes still running
+_deferral_lock = threading.Condition()
 
 
 def _read_or_none(path: str) -> bytes | None:
@@ -504,7 +508,12 @@ class GdsStore(LocalStore):
     in parallel. Listing is :class:`~zarr.storage.LocalStore`'s.
 
     Keys that would resolve outside ``root`` (absolute paths, ``..`` segments) are
-    rejected with :class:`ValueError`.
+    rejected with :class:`ValueError`. So are writes and deletes whose directory is
+    reached through a symbolic link that leads out of the root (a linked array
+    directory, say): the error names the key and the link. Links that stay inside the
+    root are followed, and so is the root itself when it is a link. Reads follow
+    links wherever they lead, as :class:`~zarr.storage.LocalStore` (and so
+    ``engine="zarr"``) does: a store may share arrays with another by linking them.
 
     Parameters
     ----------
@@ -652,7 +661,7 @@ class GdsStore(LocalStore):
     def _aborted(self, value: _Deferred | None) -> None:
         self._deferrals.aborted = value
 
-    def defer_metadata(self) -> None:
+    def defer_metadata(self, lock_timeout: float | None = DEFAULT_TIMEOUT) -> None:
         """Hold metadata writes in memory until :meth:`flush_metadata`.
 
         Chunks are written to disk as usual; metadata keys (``zarr.json``, ``.zarray``,
@@ -664,24 +673,41 @@ class GdsStore(LocalStore):
 
         Calls nest (two writes through one store object): the keys are written when
         the last of them flushes, and dropped instead if any of them failed.
+
+        The outermost call takes the store's writer lock (see :mod:`xarray_gds.locking`)
+        and the end of the deferral gives it back: another process or thread writing
+        the same directory meanwhile waits, then reads the metadata this write left.
+
+        Parameters
+        ----------
+        lock_timeout : float or None
+            Seconds to wait for another writer's lock (``None``: no bound).
+
+        Raises
+        ------
+        TimeoutError
+            When another writer held the lock for ``lock_timeout`` seconds; it names
+            the lock file and the process holding it.
         """
-        if self._deferred is not None and self._deferred.active:
-            self._deferred.depth += 1
-        else:
-            self._deferred = _Deferred()
+        with _deferral_lock:
+            if self._deferred is not None and self._deferred.active:
+                self._deferred.depth += 1
+                return
+        lock = writer_lock(self, lock_timeout)  # before zarr reads any metadata
+        with _deferral_lock:
+            self._deferred = _Deferred(lock=lock)
             self._aborted = None
 
     def flush_metadata(self) -> None:
         """Write the held metadata (arrays before their groups, consolidated last) and
         stop holding it (at the end of the outermost deferral).
 
-        All of it or none: the metadata documents on disk are read first, and when a
-        write fails, those already replaced are written back (and those that did not
-        exist are removed) before the error propagates, so that the store opens as it
-        did before. Chunks written meanwhile for arrays that did not exist before are
-        removed too (a later array of that name would read them). Chunks of existing
-        arrays past their old shape stay: no reader sees them, and a later write of
-        that region replaces or deletes them.
+        Chunk writes of the deferral still running are waited for first, so that the
+        metadata goes to disk after every chunk it describes. All of it or none: the
+        metadata documents on disk are read first, and when a write fails, those
+        already replaced are written back (and those that did not exist are removed)
+        before the error propagates, so that the store opens as it did before. The
+        chunk files the write made are removed too (see :meth:`discard_metadata`).
 
         Raises
         ------
@@ -695,13 +721,11 @@ class GdsStore(LocalStore):
         deferred.depth -= 1
         if deferred.depth > 0:
             return
-        self._deferred = None
-        deferred.active = False
+        self._end(deferred)
         try:
             if deferred.failed:
-                self._aborted = deferred  # writes landing meanwhile are noted (see _writing)
                 before = {k: _read_or_none(os.path.join(self.root, k)) for k in deferred.keys}
-                self._remove_new_arrays(deferred, before)
+                self._remove_written(deferred, before)
                 return
             order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
             before = {k: _read_or_none(os.path.join(self.root, k)) for k in order}
@@ -712,12 +736,27 @@ class GdsStore(LocalStore):
                     self._put(key, deferred.keys[key])
             except BaseException as err:
                 deferred.failed = True
-                self._aborted = deferred
+                with _deferral_lock:
+                    self._aborted = deferred
                 self._restore(done, before, err)
-                self._remove_new_arrays(deferred, before)
+                self._remove_written(deferred, before)
                 raise
         finally:
             deferred.keys.clear()
+            if deferred.lock is not None:
+                deferred.lock.release()
+
+    def _end(self, deferred: _Deferred) -> None:
+        """Stop holding metadata for ``deferred`` and wait for its chunk writes still
+        running. From here on, chunk writes are not its own; when it failed, they are
+        refused (see :meth:`_writing`): what is left of the failed write (zarr lets the
+        other writes of a failed gather run on, dask the other tasks) writes nothing."""
+        with _deferral_lock:
+            self._deferred = None
+            deferred.active = False
+            if deferred.failed:
+                self._aborted = deferred
+            _deferral_lock.wait_for(lambda: deferred.inflight == 0)
 
     def _restore(
         self, keys: list[str], before: dict[str, bytes | None], err: BaseException
@@ -744,29 +783,44 @@ class GdsStore(LocalStore):
                 "write the dataset again with mode='w'."
             ) from err
 
-    def _remove_new_arrays(self, deferred: _Deferred, before: dict[str, bytes | None]) -> None:
-        """Delete the chunks written during ``deferred`` for arrays whose metadata did not
-        exist before (``before``: the documents on disk when the write began)."""
+    def _remove_written(self, deferred: _Deferred, before: dict[str, bytes | None]) -> None:
+        """Delete the chunk files that the failed ``deferred`` made (those that were not
+        there before it wrote them) and every chunk it wrote for arrays whose metadata
+        did not exist before (``before``: the documents on disk when the write began),
+        then the directories this leaves empty. Chunks it replaced stay (their old
+        bytes are gone): readers read them only inside the old shape."""
         prefixes = tuple(
             key.rpartition("/")[0] + "/" if "/" in key else ""
             for key, value in deferred.keys.items()
             if before.get(key) is None and _is_array_metadata(key, value)
         )
-        with _deferral_lock:  # a write noted after this is removed by its _written
-            deferred.dropped = prefixes
-            if not prefixes and self._aborted is deferred:
-                self._aborted = None
-            written = list(deferred.written)
-        if not prefixes:
-            return
-        for key in written:
-            if key.startswith(prefixes) and not is_metadata_key(key):
-                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    os.unlink(os.path.join(self.root, key))
+        with _deferral_lock:
+            doomed = set(deferred.created)
+            if prefixes:
+                doomed.update(k for k in deferred.written if k.startswith(prefixes))
+        root = os.fspath(self.root)
+        parents: set[str] = set()
+        for key in doomed:
+            if is_metadata_key(key):
+                continue
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(os.path.join(root, key))
+            parts = key.split("/")[:-1]
+            parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+        for parent in sorted(parents, key=lambda p: -p.count("/")):
+            with contextlib.suppress(OSError):  # not empty: it holds what was there before
+                os.rmdir(os.path.join(root, parent))
 
     def discard_metadata(self) -> None:
-        """A write failed: drop the held metadata (at the end of the outermost deferral),
-        and the chunks it wrote for arrays that did not exist before."""
+        """A write failed: drop the held metadata (at the end of the outermost deferral).
+
+        Chunk writes of the write still running are waited for, and those that start
+        later are refused, so nothing of it lands after this returns. The chunk files
+        it made are removed: those of arrays that did not exist before, and those of
+        existing arrays that were not there (past the old end of an append, or
+        chunks of a region that held only the fill value). The store holds the files
+        it held before, but for the chunks the write replaced.
+        """
         if self._deferred is not None:
             self._deferred.failed = True
             self.flush_metadata()
@@ -819,60 +873,113 @@ class GdsStore(LocalStore):
                 f"GdsStore.set(): the value for {key!r} must be a zarr Buffer, "
                 f"not {type(value).__name__}"
             )
+        self._check_links(key.split("/")[:-1], key)
         write_file(os.path.join(self.root, key), value.as_buffer_like())
 
+    def _check_links(self, parts: list[str], key: str) -> None:
+        """Refuse to write or delete ``key`` when its directory (``parts`` below the
+        root) is reached through a symbolic link that leads out of the root. One
+        ``lstat`` a level; links that stay inside the root are followed."""
+        root = os.fspath(self.root)
+        path = root
+        for part in parts:
+            path = f"{path}/{part}"
+            try:
+                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # made by the write, as a directory
+            if not is_link:
+                continue
+            real_root = os.path.realpath(root)
+            target = os.path.realpath(os.path.join(root, *parts))
+            if target == real_root or target.startswith(real_root + os.sep):
+                return
+            raise ValueError(
+                f"xarray-gds: refusing to write or delete {key!r} in {self}: {path} is a "
+                f"symbolic link to {os.path.realpath(path)}, outside the store's root "
+                f"{real_root}. Replace the link by a directory (or a link inside the store)."
+            )
+
     def _writing(self, key: str) -> _Deferred | None:
-        """Note the chunk ``key`` as written while metadata is held (to remove it if the
-        write fails and its array is new); returns the deferral it belongs to."""
+        """Note a chunk write or delete of ``key`` starting while metadata is held;
+        returns the deferral it belongs to (its end waits for :meth:`_wrote`).
+
+        Raises
+        ------
+        RuntimeError
+            When the last deferral of this store failed and no write began since (a
+            metadata write or :meth:`defer_metadata`): what is left of a failed write.
+        """
         with _deferral_lock:
             deferred = self._deferred
             if deferred is not None and deferred.active:
-                deferred.written.append(key)
+                deferred.inflight += 1
                 return deferred
-            aborted = self._aborted
-            if aborted is None:
+            if self._aborted is None:
                 return None
-            if aborted.dropped is None:  # its failure is still finding the new arrays
-                aborted.written.append(key)
-                return aborted
-            if aborted.dropped and key.startswith(aborted.dropped):
-                if is_metadata_key(key):  # the array is made again: its chunks are wanted
-                    self._aborted = None
-                    return None
-                return aborted
-            return None
+            if is_metadata_key(key):  # a new write through this store
+                self._aborted = None
+                return None
+        raise RuntimeError(
+            f"xarray-gds: not writing {key!r} in {self}: the write it belongs to failed "
+            "and was cleaned up. Run the write again."
+        )
 
     @staticmethod
-    def _written(deferred: _Deferred | None, path: str, key: str) -> None:
-        """The chunk ``key`` of ``deferred`` is on disk: remove it if that write failed
-        meanwhile and removed the chunks of its new arrays (zarr lets the other writes
-        of a failed gather run on), as :meth:`_remove_new_arrays` would have."""
-        if deferred is not None and deferred.dropped and key.startswith(deferred.dropped):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    def _wrote(deferred: _Deferred | None, key: str | None, created: bool) -> None:
+        """The write of ``key`` (``None``: a delete) noted by :meth:`_writing` is over;
+        ``created``: there was no file at ``key`` before it."""
+        if deferred is None:
+            return
+        with _deferral_lock:
+            if key is not None:
+                deferred.written.append(key)
+                if created:
+                    deferred.created.append(key)
+            deferred.inflight -= 1
+            if not deferred.inflight:
+                _deferral_lock.notify_all()
+
+    def _set_file(self, key: str, value: Buffer) -> None:
+        """Write the chunk (or metadata outside a deferral) ``key``, counted as running
+        while it runs (in the thread that writes it: a cancelled task's thread runs on)."""
+        deferred = self._writing(key)
+        if deferred is None:
+            self._put(key, value)
+            return
+        created = not os.path.lexists(os.path.join(self.root, key))
+        try:
+            self._put(key, value)
+        finally:
+            self._wrote(deferred, key, created)
+
+    def _delete_file(self, key: str) -> None:
+        deferred = self._writing(key)
+        try:
+            self._check_links(key.split("/")[:-1], key)
+            super().delete_sync(key)
+        finally:
+            self._wrote(deferred, None, False)
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self.resolve(key)
         if not self._hold(key, value):
-            deferred = self._writing(key)
-            self._put(key, value)
-            self._written(deferred, os.path.join(self.root, key), key)
+            self._set_file(key, value)
 
     def delete_sync(self, key: str) -> None:
         self.resolve(key)
         self._forget(key)
-        super().delete_sync(key)
+        self._delete_file(key)
 
     async def set(self, key: str, value: Buffer) -> None:
         self.resolve(key)
         if not self._hold(key, value):
-            deferred = self._writing(key)
-            await asyncio.to_thread(self._put, key, value)
-            self._written(deferred, os.path.join(self.root, key), key)
+            await asyncio.to_thread(self._set_file, key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self.resolve(key)
         if not self._hold(key, value, keep=True):
+            self._check_links(key.split("/")[:-1], key)
             await super().set_if_not_exists(key, value)
         elif not await self.exists(key):
             self._hold(key, value)
@@ -880,13 +987,15 @@ class GdsStore(LocalStore):
     async def delete(self, key: str) -> None:
         self.resolve(key)
         self._forget(key)
-        await super().delete(key)
+        await self._ensure_open()
+        await asyncio.to_thread(self._delete_file, key)
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
         prefix = prefix.rstrip("/")
         if prefix:
             self.resolve(prefix)
+            self._check_links(prefix.split("/")[:-1], prefix)  # the prefix: remove_tree
         self._forget(prefix)
         path = self.root / prefix
         if path.is_dir():

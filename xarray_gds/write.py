@@ -27,6 +27,7 @@ from xarray_gds import device as _device
 from xarray_gds import remote
 from xarray_gds.chunks import GdsDaskManager, device_of
 from xarray_gds.deferred import HeldMetadataStore
+from xarray_gds.locking import DEFAULT_TIMEOUT
 from xarray_gds.pipeline import use_gds_pipeline
 from xarray_gds.store import GdsStore
 
@@ -72,7 +73,12 @@ def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
 
 
 def to_zarr(
-    ds: xr.Dataset, store: str | os.PathLike[str] | Any, *, levels: str = "host", **kwargs: Any
+    ds: xr.Dataset,
+    store: str | os.PathLike[str] | Any,
+    *,
+    levels: str = "host",
+    lock_timeout: float | None = DEFAULT_TIMEOUT,
+    **kwargs: Any,
 ) -> Any:
     """Write ``ds`` to a Zarr store, whichever device its variables are on.
 
@@ -89,6 +95,11 @@ def to_zarr(
         whose codec sets a level (LZ4: acceleration) other than the codec's default
         are encoded on the host by zarr-python, so the level is applied. ``"gpu"``:
         they are encoded by nvCOMP too, at its own level (the metadata keeps theirs).
+    lock_timeout : float or None
+        Seconds to wait (600 by default; ``None``: no bound) while another process or
+        thread writes the same local directory or memory store: the write holds the
+        store's writer lock (see :mod:`xarray_gds.locking`) from reading its metadata
+        to writing it. Then ``TimeoutError``, naming the lock file and the writer.
     **kwargs
         Everything ``xarray.Dataset.to_zarr`` takes (``mode``, ``append_dim``,
         ``region``, ``encoding``, ``consolidated``, ``zarr_format``, ``compute``,
@@ -122,7 +133,7 @@ def to_zarr(
         store = remote.open_url(store, kwargs.pop("storage_options", None), read_only=False)
     if isinstance(store, Store) and not isinstance(store, GdsStore):
         # any other zarr Store (S3, HTTP, memory): metadata held back the same way
-        held = HeldMetadataStore(store)
+        held = HeldMetadataStore(store, lock_timeout=lock_timeout)
         try:
             with use_gds_pipeline(levels):
                 result = prepared.to_zarr(held, **kwargs)
@@ -137,7 +148,7 @@ def to_zarr(
     # metadata goes to disk after the data it describes (see GdsStore.defer_metadata);
     # with compute=False after what this call writes, as xarray writes it at once (a
     # store initialised with compute=False is the template of later region writes)
-    store.defer_metadata()
+    store.defer_metadata(lock_timeout)
     try:
         with use_gds_pipeline(levels):
             result = prepared.to_zarr(store, **kwargs)

@@ -542,10 +542,15 @@ def _parse(
         lambda i: f"{CNAMES[code[i]]} format version {versionlz[i]} is not supported (only 1)",
     )
     fail(typesize == 0, lambda i: "typesize 0 in the header")
-    fail(
-        h_nbytes != nbytes,
-        lambda i: f"header declares {h_nbytes[i]} decoded bytes, expected {nbytes}",
-    )
+    i = _first(h_nbytes != nbytes)
+    if i is not None:  # the chunk's decoded size: it or the metadata may be wrong
+        raise ChunkDecodeError(
+            keys[i],
+            _CODEC,
+            f"header declares {h_nbytes[i]} decoded bytes, expected {nbytes}",
+            decoded=int(h_nbytes[i]),
+            expected=nbytes,
+        )
     fail(
         cbytes != lengths,
         lambda i: (

@@ -120,14 +120,22 @@ def check(
         j = _first_bad((declared >= 0) & (declared != nbytes))
         if j is not None:
             raise ChunkDecodeError(
-                keys[j], name, f"frame declares {int(declared[j])} decoded bytes, expected {nbytes}"
+                keys[j],
+                name,
+                f"frame declares {int(declared[j])} decoded bytes, expected {nbytes}",
+                decoded=int(declared[j]),
+                expected=nbytes,
             )
         return 0, 0
     if name == "lz4":
         j = _first_bad(word != nbytes)
         if j is not None:
             raise ChunkDecodeError(
-                keys[j], name, f"size prefix says {int(word[j])} bytes, expected {nbytes}"
+                keys[j],
+                name,
+                f"size prefix says {int(word[j])} bytes, expected {nbytes}",
+                decoded=int(word[j]),
+                expected=nbytes,
             )
         return 4, 4
     if name == "zlib":

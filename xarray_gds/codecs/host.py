@@ -85,7 +85,11 @@ def decompress(
         decoded = decoded.view(np.uint8).reshape(-1)
         if decoded.size != nbytes:
             raise ChunkDecodeError(
-                keys[i], compressor.name, f"decoded to {decoded.size} bytes, expected {nbytes}"
+                keys[i],
+                compressor.name,
+                f"decoded to {decoded.size} bytes, expected {nbytes}",
+                decoded=decoded.size,
+                expected=nbytes,
             )
         rows[i] = decoded
 
@@ -109,7 +113,11 @@ def stack(
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
         if data.size != nbytes:
             raise ChunkDecodeError(
-                keys[i], "bytes", f"chunk holds {data.size} bytes, expected {nbytes}"
+                keys[i],
+                "bytes",
+                f"chunk holds {data.size} bytes, expected {nbytes}",
+                decoded=data.size,
+                expected=nbytes,
             )
         out[i] = data
     return out

@@ -290,7 +290,11 @@ def _gzip_trailer(
     if bad.size:
         j = int(bad[0])
         raise ChunkDecodeError(
-            keys[j], "gzip", f"trailer gives {int(isize[j])} decoded bytes, expected {nbytes}"
+            keys[j],
+            "gzip",
+            f"trailer gives {int(isize[j])} decoded bytes, expected {nbytes}",
+            decoded=int(isize[j]),
+            expected=nbytes,
         )
 
 
@@ -353,7 +357,11 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
         if bad.size:
             j = int(bad[0])
             raise ChunkDecodeError(
-                keys[j], "bytes", f"chunk holds {int(sizes[j])} bytes, expected {nbytes}"
+                keys[j],
+                "bytes",
+                f"chunk holds {int(sizes[j])} bytes, expected {nbytes}",
+                decoded=int(sizes[j]),
+                expected=nbytes,
             )
         out = cp.empty((m, nbytes), dtype=cp.uint8)
         gather(batch.arena, offsets, out, np.arange(m, dtype=np.int64) * nbytes, sizes)
@@ -523,7 +531,11 @@ def _run(
     if bad.size:
         j = int(bad[0])
         raise ChunkDecodeError(
-            keys[j], codec, f"decoded to {int(got[j])} bytes, expected {int(out_sizes[j])}"
+            keys[j],
+            codec,
+            f"decoded to {int(got[j])} bytes, expected {int(out_sizes[j])}",
+            decoded=int(got[j]),
+            expected=int(out_sizes[j]),
         )
 
 
