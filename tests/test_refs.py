@@ -17,19 +17,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import h5netcdf  # noqa: F401  (the reference reader is engine="h5netcdf")
+import h5py
+import kerchunk.hdf as kerchunk_hdf
+import netCDF4
 import numpy as np
 import pytest
 import xarray as xr
 import zarr
 from packaging.version import Version
 
-h5py = pytest.importorskip("h5py", reason="HDF5 reference tests need h5py (test extra)")
-netCDF4 = pytest.importorskip("netCDF4", reason="NetCDF reference tests need netCDF4")
-pytest.importorskip("h5netcdf", reason="the reference reader is engine='h5netcdf'")
-kerchunk_hdf = pytest.importorskip("kerchunk.hdf", reason="references are made with kerchunk")
-
-from xarray_gds import refs as refs_module  # noqa: E402
-from xarray_gds.refs import ReferenceStore, ReferenceTargetError, is_reference_set  # noqa: E402
+from xarray_gds import refs as refs_module
+from xarray_gds.refs import ReferenceStore, ReferenceTargetError, is_reference_set
 
 
 @contextlib.contextmanager

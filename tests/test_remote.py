@@ -14,14 +14,13 @@ import sys
 import threading
 from pathlib import Path
 
+import aiohttp
+import moto.server as moto_server
 import numpy as np
 import pytest
+import s3fs
 import xarray as xr
 import zarr
-
-pytest.importorskip("s3fs", reason="remote tests need s3fs (the test extra)")
-moto_server = pytest.importorskip("moto.server", reason="remote tests need moto[server]")
-pytest.importorskip("aiohttp", reason="http(s) stores need aiohttp")
 
 KEY = "AKIAXGDSTESTKEY0001"
 SECRET = "xgds-secret-do-not-print-0123456789"
@@ -146,7 +145,6 @@ def _failing_dataset(fail_block: int | None) -> xr.Dataset:
 def test_failed_s3_write_leaves_no_objects(s3):
     """A new store whose write fails: chunks were uploaded, then deleted; no metadata."""
     import dask
-    import s3fs
 
     import xarray_gds
 
@@ -164,7 +162,6 @@ def test_failed_s3_write_leaves_no_objects(s3):
 
 def test_failed_s3_append_leaves_the_store_as_it_was(s3):
     import dask
-    import s3fs
 
     import xarray_gds
 
@@ -315,7 +312,6 @@ def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
     prefix instead of a HEAD request each: sizes as the server has them, absent keys
     known missing, a listing cut short says nothing of the keys it did not reach, and a
     refused listing (here: no such bucket) leaves every size to be asked for."""
-    import s3fs
     from zarr.storage import FsspecStore
 
     from xarray_gds import remote
@@ -369,7 +365,6 @@ def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
     xr.testing.assert_identical(loaded.as_numpy(), ref)
     ranged = [n for n, with_ranges in calls if with_ranges]
     assert ranged  # the inner chunks came through kvikio by range
-    import s3fs
 
     shards = [k for k in s3fs.S3FileSystem(**s3).find(f"{url[5:]}/t/c")]
     assert len(shards) == 2  # the middle shard held the fill value only: not written
@@ -633,7 +628,6 @@ def test_forbidden_chunk_is_not_tried_again(faulty):
 
 
 def test_slow_server_times_out(faulty):
-    aiohttp = pytest.importorskip("aiohttp")
     server = faulty("slow", delay=2.0)
     options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
     ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
@@ -647,7 +641,6 @@ def test_slow_server_times_out(faulty):
 
 
 def test_slow_answer_once_is_tried_again(faulty, fault_root):
-    aiohttp = pytest.importorskip("aiohttp")
     server = faulty("slow", times=1, delay=2.0)
     options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.4)}}
     ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
@@ -1018,7 +1011,6 @@ def test_no_secret_in_remote_references(http_root, tmp_path, caplog):
 def test_redact_masks_userinfo_options_and_headers():
     from xarray_gds import remote
 
-    aiohttp = pytest.importorskip("aiohttp")
     options = {
         "key": "AKIA-0001",
         "client_kwargs": {"auth": aiohttp.BasicAuth("u", OPTION_SECRET)},
