@@ -17,15 +17,14 @@ import zarr
 from xarray_gds import GdsStore, coalesce, decode
 from xarray_gds import device as _device
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import attach
 from xarray_gds.region import read_box
 
 ALL = (slice(None), slice(None), slice(None))
 
 
 def _open(path: Path) -> Any:
-    with use_gds_pipeline():
-        return zarr.open_group(GdsStore(path, read_only=True), mode="r")["t2m"]
+    return attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")["t2m"])
 
 
 def _reference(path: Path) -> np.ndarray:

@@ -26,7 +26,7 @@ import zarr
 
 import xarray_gds
 import xarray_gds.pipeline
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import writing_to
 
 from .conftest import sample_dataset
 
@@ -114,7 +114,7 @@ _SOURCES: dict[str, Callable[[Path], xr.Dataset]] = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("select", ["zarr.config", "use_gds_pipeline"])
+@pytest.mark.parametrize("select", ["zarr.config", "writing_to"])
 @pytest.mark.parametrize("source", list(_SOURCES))
 def test_xarray_to_zarr_writes_cupy_data_on_the_gpu(
     tmp_path: Path,
@@ -132,15 +132,16 @@ def test_xarray_to_zarr_writes_cupy_data_on_the_gpu(
     if source == "loaded":
         assert isinstance(src.t2m.data, cupy.ndarray)
     out, out_ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
+    target = zarr.storage.LocalStore(out)
     # levels="gpu": the store's zstd level 3 is encoded by nvCOMP too (see to_zarr)
     context = (
         zarr.config.set({**PIPELINE, "xarray_gds.levels": "gpu"})
         if select == "zarr.config"
-        else use_gds_pipeline("gpu")
+        else writing_to(target, "gpu")
     )
     masked = _cf_masked(src) if source != "dask-cupy-blocks" else []
     with context:
-        src.drop_vars(masked).to_zarr(out, mode="w")  # xarray's own to_zarr
+        src.drop_vars(masked).to_zarr(target, mode="w")  # xarray's own to_zarr
     assert gpu_encodes, "no chunk was encoded by nvCOMP"
     # the reference: xarray's own reader and writer, on the host
     xr.open_dataset(v3_store, engine="zarr").drop_vars(masked).to_zarr(out_ref, mode="w")
@@ -177,8 +178,9 @@ def test_xarray_to_zarr_of_masked_cupy_values_fails_in_xarray(
     src = _SOURCES[source](v3_store)
     masked = _cf_masked(src)
     assert "u10" in masked  # packed to int16 with a _FillValue
-    with use_gds_pipeline("gpu"), pytest.raises(TypeError, match="while encoding variable"):
-        src[masked].to_zarr(tmp_path / "out.zarr", mode="w")
+    target = zarr.storage.LocalStore(tmp_path / "out.zarr")
+    with writing_to(target, "gpu"), pytest.raises(TypeError, match="while encoding variable"):
+        src[masked].to_zarr(target, mode="w")
     xarray_gds.to_zarr(src[masked], tmp_path / "ok.zarr", mode="w")
     ref = xr.open_dataset(v3_store, engine="zarr")[masked]
     ref.to_zarr(tmp_path / "ref.zarr", mode="w")

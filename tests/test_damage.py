@@ -25,7 +25,7 @@ import zarr
 import zarr.codecs as zc
 
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import attach
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -161,8 +161,7 @@ def test_damaged_index_other_stores(tmp_path: Path) -> None:
     the store reports."""
     path = _sharded(tmp_path / "s.zarr")
     _edit_index(path / "v" / "c" / "1" / "0" / "0", _flip_size)
-    with use_gds_pipeline():
-        array = zarr.open_array(zarr.storage.LocalStore(path, read_only=True), path="v")
+    array = attach(zarr.open_array(zarr.storage.LocalStore(path, read_only=True), path="v"))
     np.testing.assert_array_equal(array[:4], _values()[:4])  # the intact shard
     with pytest.raises(ChunkDecodeError, match=r"'v/c/1/0/0 \(inner chunk \(0, 0, 0\)\)'"):
         array[4:]

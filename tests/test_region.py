@@ -15,7 +15,7 @@ from xarray_gds import GdsStore, decode
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain
 from xarray_gds.errors import ChunkDecodeError
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import attach
 from xarray_gds.region import read_box
 
 from .conftest import STORE_CASES
@@ -34,8 +34,7 @@ BOXES: list[tuple[Any, ...]] = [
 
 
 def _open(path: Path, name: str = "t2m") -> Any:
-    with use_gds_pipeline():
-        return zarr.open_group(GdsStore(path, read_only=True), mode="r")[name]
+    return attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")[name])
 
 
 def _reference(path: Path, key: tuple[Any, ...], name: str = "t2m") -> np.ndarray:
@@ -95,9 +94,9 @@ def test_arrays_zarr_opened_are_left_to_zarr(v3_store: Path, device: str) -> Non
 def test_read_missing_chunks_false_is_left_to_zarr(v3_store: Path, device: str) -> None:
     """zarr raises for missing chunks when its read_missing_chunks is off: its path reads."""
     key = (slice(None),) * 3
-    with use_gds_pipeline():  # with_config builds the array's codec pipeline again
-        reads = _open(v3_store).with_config({"read_missing_chunks": True})
-        raises = _open(v3_store).with_config({"read_missing_chunks": False})
+    # with_config builds the array's codec pipeline again: attach to the new arrays
+    reads = attach(_open(v3_store).with_config({"read_missing_chunks": True}))
+    raises = attach(_open(v3_store).with_config({"read_missing_chunks": False}))
     assert read_box(reads, key, device) is not None
     assert read_box(raises, key, device) is None
 

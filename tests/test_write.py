@@ -207,8 +207,9 @@ def test_which_store_each_target_writes_through(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Local paths: a GdsStore; other zarr Stores: held metadata around them; other
-    URLs (fsspec's, e.g. memory://) go to xarray as they are."""
-    from zarr.storage import MemoryStore
+    URLs (fsspec's, e.g. memory://) become zarr's FsspecStore, held the same way (the
+    engine's pipeline is given to the arrays of that one store object)."""
+    from zarr.storage import FsspecStore, MemoryStore
 
     from xarray_gds.deferred import HeldMetadataStore
 
@@ -223,7 +224,8 @@ def test_which_store_each_target_writes_through(
     xarray_gds.to_zarr(ds, "memory://out.zarr", mode="w")
     assert seen[0] is store and isinstance(seen[1], xarray_gds.GdsStore)
     assert isinstance(seen[2], HeldMetadataStore) and seen[2].store is memory
-    assert seen[3] == "memory://out.zarr"
+    assert isinstance(seen[3], HeldMetadataStore) and isinstance(seen[3].store, FsspecStore)
+    assert seen[3].store.path.endswith("out.zarr")
 
 
 class _RecordingStore:

@@ -19,9 +19,10 @@ import numpy as np
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from xarray_gds import config
+from xarray_gds import config, fuse
 from xarray_gds import device as _device
 from xarray_gds.cf import CFPlan
+from xarray_gds.pipeline import attach
 from xarray_gds.region import box_bounds, is_box_key, read_box
 from xarray_gds.region import read_boxes as _region_read_boxes
 
@@ -80,12 +81,15 @@ class GdsBackendArray(BackendArray):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # (unpickling imports the package, whose backend installs xarray_gds.fuse: a
-        # dataset opened in another process joins its blocks' reads here too)
         for name, value in state.items():
             setattr(self, name, value)
+        # a dataset opened in another process joins its blocks' reads here too, and its
+        # array reads through the batched pipeline whatever pickling kept of it
+        fuse.install()
+        attach(self._array)
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
+        config.validate()
         if self._ahead is not None:
             kept = self._ahead.read(self, key)
             if kept is not _NOTHING:

@@ -18,19 +18,14 @@ from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
+from xarray_gds import config, fuse, refs, remote
 from xarray_gds import device as _device
-from xarray_gds import fuse, refs, remote
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import attach
 from xarray_gds.store import GdsStore
 
 __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
-
-# dask blocks of xarray-gds arrays read in joined batches (xarray_gds.fuse) in every
-# process that imports the package: also where arrays only arrive pickled (the workers'
-# datasets of open_mfdataset(parallel=True) under distributed, unpickled on the client)
-fuse.install()
 
 _ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
 
@@ -189,11 +184,9 @@ def _open_zarr_stores(
         cache_members=bool(cache_members),
     )
     try:
-        # arrays opened here read through the batched pipeline (see pipeline.py)
-        with use_gds_pipeline():
-            if all_groups:
-                return ZarrStore.open_store(store, **kwargs)
-            return {group or "/": ZarrStore.open_group(store, **kwargs)}
+        if all_groups:
+            return ZarrStore.open_store(store, **kwargs)
+        return {group or "/": ZarrStore.open_group(store, **kwargs)}
     except (KeyError, FileNotFoundError) as err:
         if group in (None, "", "/"):
             raise
@@ -239,7 +232,8 @@ def _dataset_from_store(
     use_cftime: Any,
     decode_timedelta: Any,
 ) -> xr.Dataset:
-    fuse.install()  # again, should dask's configuration have been reset since import
+    config.validate()
+    fuse.install()  # the engine's arrays are made here: dask's pass comes with them
     raw_vars, attrs = zstore.load()
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given
@@ -263,6 +257,7 @@ def _dataset_from_store(
         if placement(name, var) is not None:
             zarr_array = members[_store_name(name)]
             assert isinstance(zarr_array, zarr.Array)
+            attach(zarr_array)  # this array only: read through the batched pipeline
             plan = plan_cf_decoding(
                 name,
                 raw_attrs[name],

@@ -34,13 +34,13 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from xarray_gds import decode, route, sources
+from xarray_gds import config, decode, route, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, parallel
 from xarray_gds.codecs import DecodeChain
@@ -53,6 +53,7 @@ __all__ = [
     "fetch_decode",
     "fetch_decode_many",
     "fetch_decode_parts",
+    "offload",
 ]
 
 
@@ -110,6 +111,26 @@ class ReadEngine:
         self.reader: object | None = None  #: the group whose files are being read
         self.decoders: set[object] = set()  #: the groups read and being decoded
         self.staging = PinnedStaging()
+        self._threads: ThreadPoolExecutor | None = None
+        self._threads_lock = threading.Lock()
+
+    def offload(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` in the engine's own threads.
+
+        zarr's codec pipeline runs on zarr's event loop, and an engine read blocks its
+        thread (waiting for the group it joined, or for the store reads it leads). Run
+        in the loop's default executor, a burst of such reads can take every worker
+        while the leader waits for a store read that needs one of them (zarr's
+        ``LocalStore`` reads through ``asyncio.to_thread``): a deadlock. The engine's
+        threads serve nothing else, and whoever waits in them waits for a thread that
+        runs, so they never run out of work they need.
+        """
+        with self._threads_lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(
+                    ENGINE_THREADS, thread_name_prefix="xarray-gds-read"
+                )
+            return self._threads.submit(fn, *args)
 
     def fetch_decode(
         self,
@@ -120,6 +141,7 @@ class ReadEngine:
         ranges: Ranges | None = None,
     ) -> tuple[list[int], Any]:
         """See the module's :func:`fetch_decode`."""
+        config.validate()
         request = _request(store, chain, keys, on_device, ranges)
         with self.cond:
             self.waiting.append(request)
@@ -136,6 +158,7 @@ class ReadEngine:
 
     def fetch_decode_many(self, items: list[Item]) -> list[tuple[list[int], Any] | BaseException]:
         """See the module's :func:`fetch_decode_many`."""
+        config.validate()
         requests = [_request(*item) for item in items]
         with self.cond:
             self.waiting.extend(requests)
@@ -161,6 +184,7 @@ class ReadEngine:
         consume: Callable[[int, tuple[list[int], Any]], None],
     ) -> None:
         """See the module's :func:`fetch_decode_parts`."""
+        config.validate()
         if len(items) == 1:
             consume(0, self.fetch_decode(*items[0]))
             return
@@ -317,12 +341,21 @@ class ReadEngine:
         return group
 
 
+#: threads of the engine's own executor (:meth:`ReadEngine.offload`): reads beyond it
+#: queue, behind reads that run, so they are served in turn
+ENGINE_THREADS = 64
+
 _engine = ReadEngine()
 
 
 def engine() -> ReadEngine:
     """This process's read engine."""
     return _engine
+
+
+def offload(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)`` in the read engine's own threads (see :meth:`ReadEngine.offload`)."""
+    return _engine.offload(fn, *args)
 
 
 def _new_engine_after_fork() -> None:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from xarray_gds import config
+
 Device = Literal["cuda", "cpu"]
 
 _INSTALL_HINT = (
@@ -49,7 +51,9 @@ def kvikio() -> ModuleType:
     """Return the ``kvikio`` module, importing and configuring it on first use.
 
     kvikio's thread pool defaults to one thread, which caps compat-mode reads at a
-    few GB/s; unless ``KVIKIO_NTHREADS`` is set, xarray-gds uses up to 16 threads.
+    few GB/s. Where the pool is still at that default when xarray-gds first uses
+    kvikio (``KVIKIO_NTHREADS`` unset, no ``kvikio.defaults.set("num_threads", ...)``
+    before), it takes up to 16 threads; a user's own setting is never changed.
     """
     module = _import("kvikio", "to read files into GPU memory")
     _configure_kvikio(module)
@@ -62,11 +66,22 @@ def _configure_kvikio(module: ModuleType) -> None:
         return
     threads = min(16, os.cpu_count() or 1)
     defaults = importlib.import_module("kvikio.defaults")
+    if _kvikio_threads(defaults) not in (None, 1):
+        return  # set by the user (kvikio's own default is one thread)
     try:
         defaults.set("num_threads", threads)
     except (AttributeError, TypeError):  # kvikio < 25: the older setter
         with contextlib.suppress(AttributeError):
             defaults.num_threads_reset(threads)
+
+
+def _kvikio_threads(defaults: ModuleType) -> int | None:
+    """kvikio's thread pool size, or None where this kvikio does not say."""
+    with contextlib.suppress(AttributeError, TypeError, KeyError, ValueError):
+        return int(defaults.get("num_threads"))
+    with contextlib.suppress(AttributeError, TypeError):
+        return int(defaults.num_threads())
+    return None
 
 
 @functools.cache
@@ -78,8 +93,8 @@ def cuda_status() -> tuple[bool, str]:
     (available, reason)
         ``reason`` is empty when a device is available.
     """
-    if os.environ.get("XARRAY_GDS_DISABLE_CUDA", "") not in ("", "0"):
-        return False, "XARRAY_GDS_DISABLE_CUDA is set"
+    if config.get("disable_cuda"):
+        return False, "xarray_gds.disable_cuda (XARRAY_GDS_DISABLE_CUDA) is set"
     try:
         cp = importlib.import_module("cupy")
     except ImportError as err:

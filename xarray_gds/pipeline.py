@@ -31,7 +31,7 @@ from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
 from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
-from zarr.registry import register_pipeline
+from zarr.registry import get_pipeline_class, register_pipeline
 
 from xarray_gds import coalesce, config, decode
 from xarray_gds import device as _device
@@ -47,31 +47,105 @@ from xarray_gds.codecs.encode import (
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.store import GdsStore
 
-__all__ = ["GdsCodecPipeline", "batch_bytes", "decode_fetched", "use_gds_pipeline"]
+__all__ = ["GdsCodecPipeline", "attach", "writing_to"]
 
 _PATH = "xarray_gds.pipeline.GdsCodecPipeline"
-_ZARR_DEFAULT = "zarr.core.codec_pipeline.BatchedCodecPipeline"
 _warned: set[Any] = set()
-
-#: zarr config key of the ``levels`` policy of device writes (see ``to_zarr``)
-_LEVELS_KEY = "xarray_gds.levels"
+_LEVELS = ("host", "gpu")
 
 
-_config_lock = threading.RLock()
+def attach(array: zarr.Array) -> zarr.Array:
+    """``array``, reading and writing through :class:`GdsCodecPipeline` from now on.
+
+    The pipeline is given to this one array (its ``codec_pipeline``, which zarr sets
+    when it builds the array); zarr's process-wide ``codec_pipeline.path`` is not
+    touched, so arrays that other code opens keep the pipeline they would get anyway.
+    The pipeline the array had (zarr's own, or the one its user configured) serves
+    what the batched read cannot. Attaching twice changes nothing.
+    """
+    inner = array.async_array
+    pipe = inner.codec_pipeline
+    if not isinstance(pipe, GdsCodecPipeline):
+        metadata = inner.metadata
+        gds = GdsCodecPipeline(pipe, plan_chain(metadata), _key_parts(metadata), metadata)
+        # zarr's own constructor sets this field of its frozen dataclass the same way
+        object.__setattr__(inner, "codec_pipeline", gds)
+    return array
+
+
+class _WriteScope:
+    """The stores that :func:`writing_to` calls are writing, and their ``levels``.
+
+    xarray builds the arrays of a write itself, through zarr, which picks their codec
+    pipeline class from ``codec_pipeline.path``: the one hook there is. While a write
+    runs the path names :class:`GdsCodecPipeline`, which gives the batched pipeline to
+    arrays of the stores being written and, to every other array built meanwhile (by
+    other threads or libraries), exactly the pipeline the previous setting gives.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.levels: dict[int, tuple[object, str]] = {}
+        self.active = 0
+        self.previous: type[CodecPipeline] | None = None
+        self._setting: Any = None
+
+    def enter(self, store: object, levels: str) -> None:
+        with self.lock:
+            self.levels[id(store)] = (store, levels)
+            self.active += 1
+            if self.active == 1:
+                previous = get_pipeline_class()
+                self.previous = None if issubclass(previous, GdsCodecPipeline) else previous
+                self._setting = zarr.config.set({"codec_pipeline.path": _PATH})
+
+    def exit(self, store: object) -> None:
+        with self.lock:
+            self.levels.pop(id(store), None)
+            self.active -= 1
+            if self.active == 0:
+                setting, self._setting = self._setting, None
+                setting.__exit__(None, None, None)
+
+    def levels_of(self, store: object) -> str | None:
+        """The ``levels`` of a store being written, or None."""
+        found = self.levels.get(id(store))
+        return found[1] if found is not None and found[0] is store else None
+
+    def previous_class(self) -> type[CodecPipeline] | None:
+        """What other code's arrays get while a write runs (None: this pipeline)."""
+        return self.previous if self.active else None
+
+
+_writes = _WriteScope()
 
 
 @contextlib.contextmanager
-def use_gds_pipeline(levels: str = "host") -> Iterator[None]:
-    """Arrays opened inside this context read and write through :class:`GdsCodecPipeline`.
-
-    ``levels`` is the compression-level policy of their batched writes (see
-    :func:`xarray_gds.codecs.encode.plan_encode`). zarr's configuration is
-    process-wide: two threads that set and restore it in interleaved order would leave
-    it set for good (``open_mfdataset(parallel=True)`` opens stores from several
-    threads), so the setting is held under a lock.
-    """
-    with _config_lock, zarr.config.set({"codec_pipeline.path": _PATH, _LEVELS_KEY: levels}):
+def writing_to(store: object, levels: str = "host") -> Iterator[None]:
+    """Arrays of ``store`` that zarr builds inside this context read and write through
+    :class:`GdsCodecPipeline`; ``levels`` is the compression-level policy of their
+    batched writes (see :func:`xarray_gds.codecs.encode.plan_encode`). Arrays of other
+    stores are built as if the context were not there (see :class:`_WriteScope`)."""
+    if levels not in _LEVELS:
+        raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
+    _writes.enter(store, levels)
+    try:
         yield
+    finally:
+        _writes.exit(store)
+
+
+def _key_parts(metadata: Any) -> int:
+    """Number of path segments in the array's chunk keys."""
+    ndim = len(metadata.shape)
+    return len(metadata.encode_chunk_key((0,) * ndim).split("/")) if ndim else 1
+
+
+async def _offload(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in the read engine's own threads (:func:`coalesce.offload`): never
+    in the event loop's default executor, whose workers zarr's stores need to serve
+    the reads the engine waits for."""
+    return await asyncio.wrap_future(coalesce.offload(fn, *args))
 
 
 def _array_name(key: str, chunk_key_parts: int) -> str:
@@ -92,6 +166,8 @@ class GdsCodecPipeline(CodecPipeline):
         Number of path segments in a chunk key (to name arrays in messages).
     metadata : ArrayV2Metadata or ArrayV3Metadata, optional
         The array's metadata, to plan batched encoding of device values.
+    levels : {"host", "gpu"}
+        The compression-level policy of batched writes (see ``to_zarr``).
     """
 
     def __init__(
@@ -100,12 +176,13 @@ class GdsCodecPipeline(CodecPipeline):
         chain: DecodeChain | ShardChain | Unsupported | None = None,
         chunk_key_parts: int = 1,
         metadata: Any = None,
+        levels: str = "host",
     ) -> None:
         self._fallback = fallback
         self._chain = chain
         self._chunk_key_parts = chunk_key_parts
         self._metadata = metadata
-        self._levels = str(zarr.config.get(_LEVELS_KEY, "host"))
+        self._levels = levels
         self._encode: EncodeChain | ShardEncode | str | None = None
 
     def __repr__(self) -> str:
@@ -119,21 +196,28 @@ class GdsCodecPipeline(CodecPipeline):
     # -- construction -------------------------------------------------------------
     @classmethod
     def from_codecs(cls, codecs: Iterable[Any]) -> Self:
+        previous = _writes.previous_class()
+        if previous is not None:  # another array, built while an engine write runs
+            return previous.from_codecs(codecs)  # type: ignore[return-value]
         return cls(BatchedCodecPipeline.from_codecs(codecs))
 
     @classmethod
     def from_array_metadata_and_store(cls, array_metadata: Any, store: Any) -> Self:
-        with zarr.config.set({"codec_pipeline.path": _ZARR_DEFAULT}):
-            fallback = create_codec_pipeline(array_metadata)
-        ndim = len(array_metadata.shape)
-        parts = len(array_metadata.encode_chunk_key((0,) * ndim).split("/")) if ndim else 1
-        return cls(fallback, plan_chain(array_metadata), parts, array_metadata)
+        levels = _writes.levels_of(store)
+        if levels is None and _writes.previous_class() is not None:
+            raise NotImplementedError  # zarr then builds the previous setting's pipeline
+        fallback = create_codec_pipeline(array_metadata)  # no store: through from_codecs
+        if isinstance(fallback, GdsCodecPipeline):
+            fallback = fallback._fallback
+        if levels is None:  # the path set by the user: every array takes this pipeline
+            levels = config.get("levels")
+        return cls(
+            fallback, plan_chain(array_metadata), _key_parts(array_metadata), array_metadata, levels
+        )
 
     def evolve_from_array_spec(self, array_spec: Any) -> Self:
         evolved = self._fallback.evolve_from_array_spec(array_spec)
-        pipe = type(self)(evolved, self._chain, self._chunk_key_parts, self._metadata)
-        pipe._levels = self._levels
-        return pipe
+        return type(self)(evolved, self._chain, self._chunk_key_parts, self._metadata, self._levels)
 
     # -- delegated ----------------------------------------------------------------
     @property
@@ -171,7 +255,7 @@ class GdsCodecPipeline(CodecPipeline):
             return
         if on_device:
             self._warn_host_encode(batch[0][0].path, str(plan))
-            value = cpu.NDBuffer.from_numpy_array(await asyncio.to_thread(array.get))
+            value = cpu.NDBuffer.from_numpy_array(await _offload(array.get))
         await self._fallback.write(batch, value, drop_axes)
 
     @property
@@ -213,7 +297,7 @@ class GdsCodecPipeline(CodecPipeline):
         def scatter(k: int, decoded: tuple[list[int], Any]) -> None:
             results.extend(_scatter(parts[k], *decoded, out, drop_axes, on_device))
 
-        await asyncio.to_thread(coalesce.fetch_decode_parts, items, scatter)
+        await _offload(coalesce.fetch_decode_parts, items, scatter)
         return tuple(results)
 
     async def _host_then_copy(
@@ -275,11 +359,6 @@ class GdsCodecPipeline(CodecPipeline):
 
 register_pipeline(GdsCodecPipeline)
 
-# the decode layer under the engine (xarray_gds.decode), under the names this module
-# has always used
-batch_bytes = decode.batch_bytes
-decode_fetched = decode.decode_fetched
-
 
 def _split(batch: list[Any], per_part: int) -> list[list[Any]]:
     return [batch[i : i + per_part] for i in range(0, len(batch), per_part)]
@@ -321,9 +400,7 @@ async def _shard_index(chain: ShardChain, byte_getter: Any) -> _Index | None:
     n = chain.index_nbytes
     store, key = byte_getter.store, byte_getter.path
     if isinstance(store, GdsStore):
-        found = await asyncio.to_thread(
-            _read_local_index, str(store.resolve(key)), n, chain.index_at_end
-        )
+        found = await _offload(_read_local_index, str(store.resolve(key)), n, chain.index_at_end)
         if found is None:
             return None
         raw = np.frombuffer(found[0], dtype=np.uint8)
@@ -403,7 +480,7 @@ async def _read_shards(
             _assemble_shards(chain, parts[k], found, plan, decoded, out, drop_axes, on_device)
         )
 
-    await asyncio.to_thread(coalesce.fetch_decode_parts, items, assemble)
+    await _offload(coalesce.fetch_decode_parts, items, assemble)
     return tuple(results)
 
 
@@ -718,7 +795,7 @@ async def _write_batched(
                     pieces[j] = piece
                 return pieces
 
-            pieces = await asyncio.to_thread(encode)
+            pieces = await _offload(encode)
             jobs = [
                 (bs, None if piece is None else cpu.Buffer.from_array_like(piece))
                 for (bs, *_), piece in zip(part, pieces, strict=True)
@@ -740,7 +817,7 @@ async def _store_jobs(jobs: list[tuple[Any, Any]]) -> None:
     store = jobs[0][0].store
     if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
         keys = [bs.path for bs, _ in jobs]
-        await asyncio.to_thread(_store_all, store, keys, [b for _, b in jobs])
+        await _offload(_store_all, store, keys, [b for _, b in jobs])
     else:
         await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
 

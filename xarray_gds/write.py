@@ -28,7 +28,7 @@ from xarray_gds import remote
 from xarray_gds.chunks import GdsDaskManager, device_of
 from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.locking import DEFAULT_TIMEOUT
-from xarray_gds.pipeline import use_gds_pipeline
+from xarray_gds.pipeline import writing_to
 from xarray_gds.store import GdsStore
 
 __all__ = ["for_device_write", "to_zarr"]
@@ -131,29 +131,46 @@ def to_zarr(
         kwargs.setdefault("safe_chunks", False)
     if isinstance(store, str) and remote.is_remote_url(store):
         store = remote.open_url(store, kwargs.pop("storage_options", None), read_only=False)
-    if isinstance(store, Store) and not isinstance(store, GdsStore):
+    if not isinstance(store, Store):
+        store = _as_store(store, kwargs.pop("storage_options", None))
+    if not isinstance(store, GdsStore):
         # any other zarr Store (S3, HTTP, memory): metadata held back the same way
         held = HeldMetadataStore(store, lock_timeout=lock_timeout)
         try:
-            with use_gds_pipeline(levels):
+            with writing_to(held, levels):
                 result = prepared.to_zarr(held, **kwargs)
         except BaseException:
             held.discard()
             raise
         held.flush()
         return result
-    if not isinstance(store, GdsStore):
-        with use_gds_pipeline(levels):
-            return prepared.to_zarr(store, **kwargs)
     # metadata goes to disk after the data it describes (see GdsStore.defer_metadata);
     # with compute=False after what this call writes, as xarray writes it at once (a
     # store initialised with compute=False is the template of later region writes)
     store.defer_metadata(lock_timeout)
     try:
-        with use_gds_pipeline(levels):
+        with writing_to(store, levels):
             result = prepared.to_zarr(store, **kwargs)
     except BaseException:
         store.discard_metadata()
         raise
     store.flush_metadata()
     return result
+
+
+def _as_store(store: Any, storage_options: dict[str, Any] | None) -> Store:
+    """The zarr Store of a store-like that is not one (as zarr makes it): the engine's
+    pipeline is given to the arrays of this one store object (see
+    :func:`xarray_gds.pipeline.writing_to`)."""
+    from zarr.storage import FsspecStore, MemoryStore
+
+    if isinstance(store, str):
+        return FsspecStore.from_url(store, storage_options=storage_options, read_only=False)
+    if type(store).__name__ == "FSMap":
+        return FsspecStore.from_mapper(store, read_only=False)
+    if isinstance(store, dict):
+        return MemoryStore(store_dict=store)
+    raise TypeError(
+        f"store must be a path, a URL, a zarr Store, an fsspec mapper or a dict, "
+        f"not {type(store).__name__}"
+    )
