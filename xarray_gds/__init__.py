@@ -10,7 +10,7 @@ from __future__ import annotations
 from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
 from xarray_gds.chunks import GdsDaskManager
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
-from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.errors import ChunkDecodeError, XarrayGdsWarning
 from xarray_gds.store import GdsStore
 from xarray_gds.write import to_zarr
 
@@ -28,4 +28,5 @@ __all__ = [
     "placement",
     "resolve_device",
     "to_zarr",
+    "XarrayGdsWarning",
 ]

@@ -22,6 +22,7 @@ from xarray_gds import config, fuse, refs, remote
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
+from xarray_gds.errors import ConsolidatedMetadataWarning, warn
 from xarray_gds.pipeline import attach
 from xarray_gds.store import GdsStore
 
@@ -150,6 +151,31 @@ def _group_paths(store: Store, zarr_format: int | None) -> list[str]:
     return ["/", *sorted("/" + path for path in groups)]
 
 
+def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> bool | None:
+    """Whether the group has consolidated metadata (``consolidated=None``), as xarray
+    decides it, but warning at the user's line in the package's own category (xarray's
+    warning would point into this module). None: the group does not open at all (the
+    open that follows raises what engine="zarr" raises)."""
+    where: dict[str, Any] = {"path": group or "", "zarr_format": zarr_format}
+    try:
+        zarr.open_consolidated(store, mode="r", **where)  # type: ignore[arg-type]
+        return True
+    except Exception:  # no consolidated metadata (ValueError), or no group: see below
+        pass
+    try:
+        zarr.open_group(store, mode="r", use_consolidated=False, **where)  # type: ignore[arg-type]
+    except Exception:
+        return None
+    warn(
+        f"xarray-gds: the Zarr store {remote.redact(str(store), None)} has no consolidated "
+        "metadata, so every array's "
+        "metadata is read on its own. Consolidate it once with "
+        "zarr.consolidate_metadata(store), or pass consolidated=False to skip this check.",
+        ConsolidatedMetadataWarning,
+    )
+    return False
+
+
 def _open_zarr_stores(
     store: Store,
     *,
@@ -173,6 +199,8 @@ def _open_zarr_stores(
             "use_zarr_fill_value_as_mask must be True, False or None, got "
             f"{use_zarr_fill_value_as_mask!r}"
         )
+    if consolidated is None:
+        consolidated = _consolidated(store, group, zarr_format)
     kwargs: dict[str, Any] = dict(
         mode=mode,
         group=group,

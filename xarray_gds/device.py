@@ -11,13 +11,13 @@ import contextlib
 import functools
 import importlib
 import os
-import warnings
 from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 
 from xarray_gds import config
+from xarray_gds.errors import HostRouteWarning, warn
 
 Device = Literal["cuda", "cpu"]
 
@@ -144,11 +144,10 @@ def resolve_device(device: str | None) -> Device:
     if device is None:
         if not _warned_fallback:
             _warned_fallback = True
-            warnings.warn(
+            warn(
                 f"xarray-gds: no CUDA device is usable ({reason}); reading on the host "
                 "with numpy instead. Pass device='cpu' to silence this warning.",
-                RuntimeWarning,
-                stacklevel=4,
+                HostRouteWarning,
             )
         return "cpu"
     raise NoCudaDeviceError(f"device='cuda' was requested but {reason}.")

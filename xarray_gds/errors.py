@@ -3,10 +3,67 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import warnings
 from typing import Any
 
-__all__ = ["ChunkDecodeError"]
+__all__ = [
+    "ChunkDecodeError",
+    "ConsolidatedMetadataWarning",
+    "HostBlocksWarning",
+    "HostRouteWarning",
+    "XarrayGdsWarning",
+    "warn",
+]
+
+
+class XarrayGdsWarning(Warning):
+    """The category of every warning xarray-gds emits: silence them all with
+    ``warnings.filterwarnings("ignore", category=xarray_gds.XarrayGdsWarning)``."""
+
+
+class HostRouteWarning(XarrayGdsWarning, RuntimeWarning):
+    """Values take the host instead of the GPU: no usable device, or codecs without a
+    GPU decoder or encoder (decoded or encoded by zarr-python on the host)."""
+
+
+class ConsolidatedMetadataWarning(XarrayGdsWarning, RuntimeWarning):
+    """A store opened with ``consolidated=None`` has no consolidated metadata."""
+
+
+class HostBlocksWarning(XarrayGdsWarning, UserWarning):
+    """Dask blocks decoded on the GPU come back as numpy blocks (xarray's default chunk
+    manager); pass ``chunked_array_type=xarray_gds.GdsDaskManager()`` to keep them."""
+
+
+def _package_dir(module: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.abspath(next(iter(spec.submodule_search_locations))) + os.sep
+
+
+_internal: tuple[str, ...] | None = None
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    """Folders of the libraries a user's call passes through before the engine warns."""
+    global _internal
+    if _internal is None:
+        found = (_package_dir(m) for m in ("xarray_gds", "xarray", "zarr", "dask", "numcodecs"))
+        _internal = tuple(d for d in found if d)
+    return _internal
+
+
+def warn(message: str, category: type[XarrayGdsWarning]) -> None:
+    """Emit ``message`` pointing at the user's line: the first frame outside
+    xarray-gds, xarray, zarr and dask (where the warning is raised in a worker thread
+    with no user frame, at that thread's outermost frame)."""
+    warnings.warn(message, category, skip_file_prefixes=_internal_dirs())
+
 
 #: the last parts of a chunk key: v3 ``c/0/1/0`` or ``c.0.1.0`` (``c`` alone for a 0-d
 #: array), v2 ``0.1.0`` or ``0/1/0``

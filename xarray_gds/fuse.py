@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
+from xarray_gds.errors import HostBlocksWarning, warn
 
 __all__ = ["available", "install", "optimize"]
 
@@ -472,15 +472,14 @@ def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hasha
         lazy = _lazy(adapter)
         if not device_blocks and lazy.array.device == "cuda":
             _warned_host_blocks = True
-            warnings.warn(
+            warn(
                 f"xarray-gds: the dask blocks of {lazy.array.name!r} are decoded on the GPU "
                 "and then copied to host memory (numpy), because xarray's default dask "
                 "chunk manager declares numpy blocks for every backend array. To keep them "
                 "on the GPU as CuPy blocks, pass "
                 "chunked_array_type=xarray_gds.GdsDaskManager() to xr.open_dataset or "
                 "xr.open_mfdataset (see the Dask page of the docs).",
-                UserWarning,
-                stacklevel=2,
+                HostBlocksWarning,
             )
             return
 

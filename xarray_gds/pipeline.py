@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import threading
-import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -44,7 +43,7 @@ from xarray_gds.codecs.encode import (
     encode_shards,
     plan_encode,
 )
-from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.errors import ChunkDecodeError, HostRouteWarning, warn
 from xarray_gds.store import GdsStore
 
 __all__ = ["GdsCodecPipeline", "attach", "writing_to"]
@@ -350,10 +349,9 @@ class GdsCodecPipeline(CodecPipeline):
             return
         _warned.add((step, name))
         codecs = ", ".join(getattr(self._chain, "codecs", ()) or ())
-        warnings.warn(
+        warn(
             f"xarray-gds: array {name!r} uses codecs [{codecs}] ({why}); its chunks are {route}",
-            RuntimeWarning,
-            stacklevel=4,
+            HostRouteWarning,
         )
 
 
