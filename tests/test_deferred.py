@@ -82,13 +82,18 @@ def test_held_metadata_store_removes_chunks_that_land_after_the_failure() -> Non
     assert sorted(inner._store_dict) == ["q/c/0"]
 
 
-def test_local_store_removes_chunks_that_land_after_the_failure(
+def test_local_store_failure_waits_for_running_chunk_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A failed write's clean-up waits for its chunk writes still running, removes what
+    they made, and refuses chunk writes that start later: nothing of the failed write
+    lands after :meth:`GdsStore.discard_metadata` returns."""
     root = tmp_path / "s.zarr"
     store = GdsStore(root, read_only=False)
     store.set_sync("q/c/0", _buffer(b"old"))
     entered, release = threading.Event(), threading.Event()
+    # set when the clean-up waits for running writes, or when it returned (without)
+    cleaning = threading.Event()
     real_put = GdsStore._put
 
     def gated_put(self: GdsStore, key: str, value: Any) -> None:
@@ -97,19 +102,37 @@ def test_local_store_removes_chunks_that_land_after_the_failure(
             release.wait()
         real_put(self, key, value)
 
+    class Watched(threading.Condition):
+        def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+            cleaning.set()
+            return super().wait_for(predicate, timeout)
+
     monkeypatch.setattr(GdsStore, "_put", gated_put)
+    monkeypatch.setattr(xarray_gds.store, "_deferral_lock", Watched(threading.Lock()))
     store.defer_metadata()
     sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
     sync(store.set("p/c/0", _buffer(b"early")))
     late = _write_in_thread(store, "p/c/1")
-    assert entered.wait()
-    store.discard_metadata()
-    assert not (root / "p" / "c" / "0").exists()
-    release.set()
+    assert entered.wait()  # the write of p/c/1 is under way when the write fails
+
+    def discard() -> None:
+        try:
+            store.discard_metadata()
+        finally:
+            cleaning.set()
+
+    failing = threading.Thread(target=discard)
+    failing.start()
+    assert cleaning.wait()
+    release.set()  # p/c/1 lands now: while the clean-up waits for it, or after it
     late.join()
+    failing.join()
     assert late.errors == []  # type: ignore[attr-defined]
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert files == ["q/c/0"]
+    with pytest.raises(RuntimeError, match=r"not writing 'p/c/2' .* failed"):
+        sync(store.set("p/c/2", _buffer(b"later")))
+    assert not (root / "p").exists()
 
 
 # -- local ranges that come back short ---------------------------------------------------
