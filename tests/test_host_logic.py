@@ -427,3 +427,54 @@ def test_remote_references_read_over_http(
     want = xr.open_dataset(root / "src.zarr", engine="zarr", consolidated=False).load()
     xr.testing.assert_identical(got, want)
     assert sum(read) == n_chunks
+
+
+# -- byte ranges joined into spans ------------------------------------------------------
+
+
+def test_ranges_joined_into_spans_are_cut_back_exactly() -> None:
+    """Ranges of one object less than ``range_gap`` apart are read as one span; each
+    range is then its own slice of its span, wherever the span starts, overlapping and
+    contained ranges included; ranges of other objects are never joined."""
+    from xarray_gds import sources
+
+    store = types.SimpleNamespace()
+    other = types.SimpleNamespace()
+    src, src_other = types.SimpleNamespace(store=store), types.SimpleNamespace(store=other)
+    blobs = {"a": bytes(range(200)), "b": bytes(range(100, 200))}
+    # a: [40, 60), [10, 30), [50, 70) overlapping, [12, 14) inside; b: [10, 20)
+    locations = ["a", "a", "a", "a", "b", "a"]
+    where = [src, src, src, src, src, src_other]
+    starts = np.array([40, 10, 50, 12, 10, 150], dtype=np.int64)
+    sizes = np.array([20, 20, 20, 2, 10, 5], dtype=np.int64)
+
+    def merged(gap: int) -> list[Any]:  # spans come in the order of their stores' ids
+        spans = sources.merge_ranges(where, locations, starts, sizes, gap)
+        return sorted(spans, key=lambda s: (s[1], locations[s[0]]))
+
+    assert merged(10) == [(1, 10, 70, [1, 3, 0, 2]), (4, 10, 20, [4]), (5, 150, 155, [5])]
+    assert merged(0) == [
+        (1, 10, 30, [1, 3]),
+        (4, 10, 20, [4]),
+        (0, 40, 70, [0, 2]),
+        (5, 150, 155, [5]),
+    ]
+    asked: list[tuple[str, int, int]] = []
+
+    def get(picked: list[int], span_starts: np.ndarray, span_sizes: np.ndarray) -> list[Any]:
+        out = []
+        for i, start, size in zip(picked, span_starts.tolist(), span_sizes.tolist(), strict=True):
+            asked.append((locations[i], start, size))
+            out.append(np.frombuffer(blobs[locations[i]][start : start + size], np.uint8))
+        return out
+
+    with zarr.config.set({"xarray_gds.range_gap": 10}):
+        found = sources._read_joined(where, locations, starts, sizes, get)
+    assert sorted(asked, key=lambda a: (a[1], a[0])) == [
+        ("a", 10, 60),
+        ("b", 10, 10),
+        ("a", 150, 5),
+    ]
+    for i, data in enumerate(found):
+        want = blobs[locations[i]][int(starts[i]) : int(starts[i]) + int(sizes[i])]
+        assert data is not None and bytes(data) == want, i
