@@ -1,8 +1,9 @@
 """The bottom layer of the read and write paths: the batch of chunk bytes on the device,
 offsets packing, and the host thread pool every layer shares.
 
-Nothing here imports from the rest of the package except :mod:`xarray_gds.config`:
-stores, codecs and the read engine all build on it.
+Nothing here imports from the rest of the package except :mod:`xarray_gds.config` (and,
+when a device batch is packed, :mod:`xarray_gds.device` for CuPy): stores, codecs and
+the read engine all build on it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ import numpy as np
 
 from xarray_gds import config
 
-__all__ = ["DeviceBatch", "PinnedStaging", "pack_offsets", "parallel", "pool_threads"]
+__all__ = [
+    "ALIGN",
+    "DeviceBatch",
+    "PinnedStaging",
+    "pack",
+    "pack_offsets",
+    "parallel",
+    "pool_threads",
+]
+
+ALIGN = 16  #: the strictest nvCOMP input/output alignment (its docs advise 16)
 
 
 @dataclass
@@ -43,7 +54,7 @@ class DeviceBatch:
     sizes: np.ndarray
 
 
-def pack_offsets(sizes: np.ndarray, align: int = 16) -> tuple[np.ndarray, int]:
+def pack_offsets(sizes: np.ndarray, align: int = ALIGN) -> tuple[np.ndarray, int]:
     """Start offsets (aligned) of buffers of ``sizes`` laid end to end, and the total.
 
     The default alignment (16 bytes) is the strictest nvCOMP asks of its inputs.
@@ -53,6 +64,20 @@ def pack_offsets(sizes: np.ndarray, align: int = 16) -> tuple[np.ndarray, int]:
     if len(sizes):
         np.cumsum(padded[:-1], out=offsets[1:])
     return offsets, int(padded.sum())
+
+
+def pack(arrays: list[Any]) -> DeviceBatch:
+    """Pack device arrays (``None`` for missing chunks) into one aligned arena."""
+    from xarray_gds import device as _device
+
+    cp = _device.cupy()
+    sizes = np.array([-1 if a is None else int(a.size) for a in arrays], dtype=np.int64)
+    offsets, total = pack_offsets(sizes, ALIGN)
+    arena = cp.empty(max(total, 1), dtype=cp.uint8)
+    for a, start in zip(arrays, offsets.tolist(), strict=True):
+        if a is not None and a.size:
+            arena[start : start + a.size] = cp.asarray(a).view(cp.uint8).reshape(-1)
+    return DeviceBatch(arena, offsets, sizes)
 
 
 @functools.cache

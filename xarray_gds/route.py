@@ -13,8 +13,9 @@ faster one:
   ``rounds = ceil(chunks / threads)`` (the pool decodes ``threads`` chunks at a time),
   then one copy of the decoded bytes to the device.
 
-The rates are per compressor and in decoded bytes a second. The defaults were measured
-on the H200 host by ``xarray-gds calibrate``, which measures them on the machine at
+The rates are per compressor and in decoded bytes a second. The defaults (each format's
+``rates``, see :mod:`xarray_gds.codecs.formats`) were measured on the H200 host by
+``xarray-gds calibrate``, which measures them on the machine at
 hand and prints them in the form the ``xarray_gds.route_constants`` setting takes (a mapping,
 or its JSON text in ``XARRAY_GDS_ROUTE_CONSTANTS``). ``xarray_gds.route`` forces a
 route: ``"gpu"``, ``"host"``, or ``"auto"`` (the default). Values are identical on
@@ -30,17 +31,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from xarray_gds import config
+from xarray_gds.codecs.formats import FORMATS, Format, Rates
 
 __all__ = ["Costs", "Rates", "choose", "costs", "estimate"]
 
-
-@dataclass(frozen=True)
-class Rates:
-    """Decode rates of one compressor, in decoded bytes a second."""
-
-    gpu_chunk: float  #: one chunk alone on the GPU
-    gpu_batch: float  #: a large batch on the GPU
-    host_thread: float  #: one host thread
+#: Each format's default rates, by name.
+_DEFAULT_RATES = tuple((name, f.rates) for name, f in FORMATS.items() if f.rates is not None)
 
 
 @dataclass(frozen=True)
@@ -51,18 +47,12 @@ class Costs:
     host_call: float = 1.0e-4  #: seconds of one host batch, pool hand-off included
     h2d: float = 6.0e9  #: bytes a second of the copy of decoded chunks to the device
     threads: int = 0  #: host decode threads (0: the shared pool's size)
-    rates: tuple[tuple[str, Rates], ...] = (
-        # measured on the H200 host (nvCOMP 6, numcodecs 0.16, 4 MiB chunks of
-        # weather-like float32) by `xarray-gds calibrate`, 3 December 2026
-        ("zstd", Rates(gpu_chunk=265e6, gpu_batch=80e9, host_thread=575e6)),
-        ("lz4", Rates(gpu_chunk=16.8e6, gpu_batch=6.5e9, host_thread=2.29e9)),
-        ("zlib", Rates(gpu_chunk=7.3e6, gpu_batch=65e9, host_thread=147e6)),
-        ("gzip", Rates(gpu_chunk=14.4e6, gpu_batch=3.6e9, host_thread=122e6)),
-        ("blosc", Rates(gpu_chunk=270e6, gpu_batch=42.8e9, host_thread=1.83e9)),
-    )
+    #: by format name; the defaults are each format's own (:attr:`Format.rates`)
+    rates: tuple[tuple[str, Rates], ...] = _DEFAULT_RATES
 
-    def rate(self, compressor: str) -> Rates | None:
-        return dict(self.rates).get(compressor)
+    def rate(self, compressor: Format | str) -> Rates | None:
+        """The rates of a format (or of the format of that name), if known."""
+        return dict(self.rates).get(_name(compressor))
 
     def to_json(self) -> str:
         """The constants as ``xarray_gds.route_constants`` takes them."""
@@ -109,9 +99,16 @@ def costs() -> Costs:
     return replace(base, rates=tuple(rates.items()), **scalars)
 
 
-def estimate(compressor: str | None, n_chunks: int, chunk_nbytes: int) -> tuple[float, float]:
+def _name(compressor: Format | str) -> str:
+    return compressor if isinstance(compressor, str) else compressor.name
+
+
+def estimate(
+    compressor: Format | str | None, n_chunks: int, chunk_nbytes: int
+) -> tuple[float, float]:
     """Seconds ``(gpu, host)`` to decode ``n_chunks`` chunks of ``chunk_nbytes`` decoded
-    bytes compressed with ``compressor`` (``inf`` where a route has no rate)."""
+    bytes compressed with ``compressor`` (a format, or a format's name; ``inf`` where a
+    route has no rate)."""
     c = costs()
     rate = c.rate(compressor) if compressor else None
     if rate is None or n_chunks <= 0:
@@ -129,7 +126,7 @@ def estimate(compressor: str | None, n_chunks: int, chunk_nbytes: int) -> tuple[
     return gpu, host
 
 
-def choose(compressor: str | None, n_chunks: int, chunk_nbytes: int) -> str:
+def choose(compressor: Format | str | None, n_chunks: int, chunk_nbytes: int) -> str:
     """``"gpu"`` or ``"host"``: where a GPU-bound batch of ``n_chunks`` chunks decodes.
 
     Uncompressed chunks (``compressor`` None) and compressors without rates always take

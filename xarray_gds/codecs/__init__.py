@@ -20,39 +20,13 @@ import zarr.codecs as zc
 from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
 
 from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
+from xarray_gds.codecs.formats import CRC32C, FORMATS, Compressor
 
 __all__ = ["Compressor", "DecodeChain", "ShardChain", "Unsupported", "codec_name", "plan_chain"]
 
-#: Compression formats with a batched decoder on the host and (Blosc: for its lz4,
-#: lz4hc, zstd and zlib streams) on the device.
-COMPRESSORS = ("zstd", "gzip", "zlib", "lz4", "blosc")
-
-#: Blosc compressors whose streams nvCOMP decodes (blosclz and snappy have no decoder).
-_BLOSC_DEVICE_CNAMES = frozenset({"lz4", "lz4hc", "zstd", "zlib"})
-
-
-@dataclass(frozen=True)
-class Compressor:
-    """One bytes-to-bytes decompression stage.
-
-    Attributes
-    ----------
-    name : {"zstd", "gzip", "zlib", "lz4", "blosc"}
-        Stream format. ``lz4`` is numcodecs' framing: a 4-byte little-endian size
-        followed by an LZ4 block; ``zlib`` is RFC 1950, ``gzip`` RFC 1952; ``blosc`` a
-        Blosc1 frame (see :mod:`xarray_gds.codecs.blosc`).
-    host_codec : numcodecs.abc.Codec
-        The numcodecs codec that decodes one chunk on the host.
-    device_ready : bool
-        Whether the device decodes it (Blosc: not with blosclz or snappy streams).
-    detail : str
-        What the codec is, for messages (e.g. ``"blosc (cname blosclz)"``).
-    """
-
-    name: str
-    host_codec: Any
-    device_ready: bool = True
-    detail: str = ""
+#: Names of the compression formats with a batched decoder on the host and (Blosc: for
+#: its lz4, lz4hc, zstd and zlib streams) on the device.
+COMPRESSORS = tuple(name for name, f in FORMATS.items() if f is not CRC32C)
 
 
 @dataclass(frozen=True)
@@ -106,7 +80,7 @@ class DecodeChain:
         size plus room for a compressor's growth on incompressible data and its framing
         (zstd, LZ4, deflate and Blosc add under 1/128 and a few dozen bytes) and a
         checksum. Reads that skip the ``stat`` of each file size their slots with it;
-        a larger file is still read whole (see :func:`xarray_gds.store.read_files_device`).
+        a larger file is still read whole (see :func:`xarray_gds.io.local.read_files_device`).
         """
         n = self.nbytes
         return n + n // 128 + 256
@@ -207,26 +181,19 @@ def codec_name(codec: Any) -> str:
 
 
 def _numcodecs_compressor(codec: Any) -> Compressor | None:
-    if isinstance(codec, numcodecs.Zstd):
-        return Compressor("zstd", codec)
-    if isinstance(codec, numcodecs.GZip):
-        return Compressor("gzip", codec)
-    if isinstance(codec, numcodecs.Zlib):
-        return Compressor("zlib", codec)
-    if isinstance(codec, numcodecs.LZ4):
-        return Compressor("lz4", codec)
-    if isinstance(codec, numcodecs.Blosc):
-        return _blosc(str(codec.cname))
+    """The decode stage of a Zarr v2 (numcodecs) compressor, if a format claims it."""
+    for fmt in FORMATS.values():
+        if (found := fmt.from_numcodecs(codec)) is not None:
+            return found
     return None
 
 
-def _blosc(cname: str) -> Compressor:
-    """Blosc with compressor ``cname``; frames say how they decode, so one numcodecs
-    ``Blosc()`` decodes them all on the host."""
-    cname = str(getattr(cname, "value", cname))
-    return Compressor(
-        "blosc", numcodecs.Blosc(), cname in _BLOSC_DEVICE_CNAMES, f"blosc (cname {cname})"
-    )
+def _zarr_compressor(codec: Any) -> Compressor | None:
+    """The decode stage of a Zarr v3 bytes-to-bytes codec, if a format claims it."""
+    for fmt in FORMATS.values():
+        if (found := fmt.from_zarr(codec)) is not None:
+            return found
+    return None
 
 
 def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> Any:
@@ -250,7 +217,7 @@ def _plan_shards(
     little = isinstance(index[0], zc.BytesCodec) and str(
         getattr(index[0].endian, "value", index[0].endian)
     ) in ("little", "None")
-    crc = len(index) == 2 and isinstance(index[1], zc.Crc32cCodec)
+    crc = len(index) == 2 and CRC32C.claims(index[1])
     if not little or len(index) not in (1, 2) or (len(index) == 2 and not crc):
         return Unsupported(names, "shard index codecs other than bytes(+crc32c)")
     location = str(getattr(sharding.index_location, "value", sharding.index_location))
@@ -273,13 +240,14 @@ def _plan_v3_codecs(
         elif isinstance(codec, zc.BytesCodec) and not seen_bytes:
             seen_bytes = True
             endian_big = str(getattr(codec.endian, "value", codec.endian)) == "big"
-        elif isinstance(codec, zc.ZstdCodec) and seen_bytes and compressor is None and not crc:
-            compressor = Compressor("zstd", numcodecs.Zstd(level=codec.level))
-        elif isinstance(codec, zc.GzipCodec) and seen_bytes and compressor is None and not crc:
-            compressor = Compressor("gzip", numcodecs.GZip(level=codec.level))
-        elif isinstance(codec, zc.BloscCodec) and seen_bytes and compressor is None and not crc:
-            compressor = _blosc(codec.cname)
-        elif isinstance(codec, zc.Crc32cCodec) and seen_bytes and not crc:
+        elif (
+            seen_bytes
+            and compressor is None
+            and not crc
+            and (found := _zarr_compressor(codec)) is not None
+        ):
+            compressor = found
+        elif CRC32C.claims(codec) and seen_bytes and not crc:
             crc = True
         else:
             return Unsupported(names, f"codec {codec_name(codec)!r} has no batched decoder")

@@ -46,15 +46,14 @@ the bytes the parser reads (headers, block-start tables, stream size prefixes).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NoReturn
 
-import numcodecs
 import numpy as np
 
+from xarray_gds.codecs.formats.blosc import BLOSC, STREAMS
 from xarray_gds.errors import ChunkDecodeError
 
 __all__ = [
@@ -70,10 +69,11 @@ HEADER_NBYTES = 16  #: bytes of the fixed Blosc1 header
 FORMAT_VERSION = 2  #: the Blosc1 format version read here (c-blosc 1.x)
 #: Stream format of each compressor code (flags bits 5-7); lz4hc writes lz4 streams.
 CNAMES = ("blosclz", "lz4", "snappy", "zlib", "zstd")
-#: Stream formats with a batched decoder (nvCOMP on the device, numcodecs/zlib here).
-BATCHED_CNAMES = frozenset({"lz4", "zstd", "zlib"})
+#: Stream formats with a batched decoder (nvCOMP on the device, numcodecs/zlib here):
+#: those of :data:`xarray_gds.codecs.formats.blosc.STREAMS`.
+BATCHED_CNAMES = frozenset(STREAMS)
 
-_CODEC = "blosc"
+_CODEC = BLOSC.name
 _SHUFFLE, _MEMCPYED, _BITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x08, 0x10
 _MAX_SPLITS = 16  # c-blosc's MAX_SPLITS
 _MIN_SPLIT_ELEMENTS = 128  # c-blosc's MIN_BUFFERSIZE, as used by the split rule
@@ -727,15 +727,9 @@ def unshuffle(data: Any, typesize: Any, blocksize: Any, shuffle: Any, *, xp: Any
 
 
 def _decompress(cname: str, payload: np.ndarray, dsize: int, key: str) -> np.ndarray:
-    """One compressed stream, decoded on the host."""
+    """One compressed stream, decoded on the host by its format (:data:`STREAMS`)."""
     try:
-        if cname == "lz4":
-            prefix = np.array([dsize], dtype="<u4").view(np.uint8)
-            decoded = numcodecs.LZ4().decode(np.concatenate([prefix, payload]))
-        elif cname == "zstd":
-            decoded = numcodecs.Zstd().decode(payload)
-        else:  # zlib
-            decoded = zlib.decompress(payload.tobytes())
+        decoded = STREAMS[cname].decode_host(payload, dsize)
     except Exception as exc:
         raise ChunkDecodeError(key, _CODEC, f"a {cname} stream does not decode ({exc})") from exc
     out = np.frombuffer(decoded, dtype=np.uint8)

@@ -14,18 +14,16 @@ and Adler-32 trailer; nvCOMP's zstd frames and gzip members are complete already
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
-import numcodecs
 import numpy as np
 import zarr.codecs as zc
 
 from xarray_gds import device as _device
 from xarray_gds.batch import pack_offsets
 from xarray_gds.codecs import DecodeChain, ShardChain, plan_chain
+from xarray_gds.codecs.formats import CRC32C, FORMATS, Format
 
 __all__ = [
     "EncodeChain",
@@ -39,15 +37,9 @@ __all__ = [
     "plan_encode",
 ]
 
-#: Stream formats the batched encoder writes.
-FORMATS = ("zstd", "gzip", "zlib", "lz4")
+#: Names of the stream formats the batched encoder writes.
+ENCODED = tuple(name for name, f in FORMATS.items() if f.encodes)
 
-#: nvCOMP's LZ4 encoder takes chunks of at most 16 MiB.
-_LZ4_MAX = 1 << 24
-
-#: zlib header bytes written before the raw deflate stream (RFC 1950: deflate,
-#: 32 KiB window, default compression; 0x789C is a multiple of 31 as required).
-_ZLIB_HEADER = b"\x78\x9c"
 _ADLER_MOD = 65521
 
 
@@ -63,8 +55,8 @@ class EncodeChain:
         Stored dtype (its byte order may be non-native).
     stored_order : tuple of int
         Axis permutation of the stored layout (v3 ``transpose``, v2 ``order="F"``).
-    compressor : str or None
-        Stream format (one of :data:`FORMATS`) or ``None`` for uncompressed chunks.
+    compressor : Format or None
+        Stream format (one of :data:`ENCODED`) or ``None`` for uncompressed chunks.
     codecs : tuple of str
         Codec names, for messages.
     """
@@ -72,7 +64,7 @@ class EncodeChain:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     stored_order: tuple[int, ...]
-    compressor: str | None
+    compressor: Format | None
     codecs: tuple[str, ...]
 
     @property
@@ -87,17 +79,6 @@ def _compressor_of(codecs: Any) -> Any:
         c for c in codecs if c is not None and not isinstance(c, zc.BytesCodec | zc.TransposeCodec)
     ]
     return rest[0] if rest else None
-
-
-def _default_level(codec: Any) -> tuple[str, Any, Any] | None:
-    """``(name, level, default level)`` of the level-like setting of ``codec``."""
-    if isinstance(codec, zc.ZstdCodec | zc.GzipCodec | numcodecs.Zstd):
-        return "level", codec.level, type(codec)().level
-    if isinstance(codec, numcodecs.GZip | numcodecs.Zlib):
-        return "level", codec.level, type(codec)().level
-    if isinstance(codec, numcodecs.LZ4):
-        return "acceleration", codec.acceleration, type(codec)().acceleration
-    return None
 
 
 def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | ShardEncode | str:
@@ -137,12 +118,16 @@ def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | s
         return "filters are encoded on the host"
     if chain.crc32c:
         return "crc32c checksums are written on the host"
-    name = chain.compressor.name if chain.compressor is not None else None
-    if name is not None and name not in FORMATS:
-        return f"{chain.compressor.detail or name} has no GPU encoder"  # type: ignore[union-attr]
-    if getattr(codec, "checksum", False):
-        return "zstd checksum=True: nvCOMP does not write content checksums"
-    setting = _default_level(codec)
+    compressor = chain.compressor
+    fmt = compressor.format if compressor is not None else None
+    if fmt is None:
+        return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, None, chain.codecs)
+    if not fmt.encodes:
+        return f"{compressor.detail or fmt.name} has no GPU encoder"  # type: ignore[union-attr]
+    refused = fmt.refuse_encode(codec)
+    if refused:
+        return refused
+    setting = fmt.level_setting(codec)
     if setting is not None and levels != "gpu":
         what, value, default = setting
         if value != default:
@@ -150,9 +135,12 @@ def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | s
                 f"{what}={value}: nvCOMP's encoders have no compression levels "
                 "(pass levels='gpu' to encode with nvCOMP's own level)"
             )
-    if name == "lz4" and chain.nbytes > _LZ4_MAX:
-        return f"chunks of {chain.nbytes} bytes exceed nvCOMP's LZ4 limit of 16 MiB"
-    return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, name, chain.codecs)
+    if fmt.encode_limit is not None and chain.nbytes > fmt.encode_limit:
+        return (
+            f"chunks of {chain.nbytes} bytes exceed nvCOMP's {fmt.nvcomp} limit of "
+            f"{fmt.encode_limit >> 20} MiB"
+        )
+    return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, fmt, chain.codecs)
 
 
 @dataclass(frozen=True)
@@ -254,7 +242,7 @@ def encode_shards(
         table[present[s], 1] = sizes
         index = table.tobytes()
         if layout.index_crc32c:
-            index += google_crc32c.value(index).to_bytes(4, "little")
+            index += CRC32C.trailer(index)
         head, tail = (b"", index) if layout.index_at_end else (index, b"")
         shard = np.empty(len(head) + payload.size + len(tail), dtype=np.uint8)
         shard[: len(head)] = np.frombuffer(head, dtype=np.uint8)
@@ -314,62 +302,44 @@ class Encoded:
         return self.data[start : start + int(self.sizes[i])]
 
 
-def frame_layout(name: str | None) -> tuple[int, int]:
-    """Bytes reserved before and after each raw stream for the framing of ``name``."""
-    return {"lz4": (4, 0), "zlib": (len(_ZLIB_HEADER), 4)}.get(name or "", (0, 0))
+def frame_layout(fmt: Format | None) -> tuple[int, int]:
+    """Bytes reserved before and after each raw stream for the framing of ``fmt``."""
+    if fmt is None:
+        return 0, 0
+    return fmt.skip, fmt.trim - fmt.skip
 
 
-def stream_starts(name: str | None, raw_sizes: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """Streams of ``raw_sizes`` framed for ``name`` and laid end to end: where each
+def stream_starts(fmt: Format | None, raw_sizes: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Streams of ``raw_sizes`` framed for ``fmt`` and laid end to end: where each
     framed stream starts, the total size, and where in it its raw stream starts."""
-    head, tail = frame_layout(name)
+    head, tail = frame_layout(fmt)
     starts, total = pack_offsets(raw_sizes + head + tail, align=1)
     return starts, total, head
 
 
 def add_framing(
-    name: str | None,
+    fmt: Format | None,
     out: np.ndarray,
     starts: np.ndarray,
     raw_sizes: np.ndarray,
     nbytes: int,
     checksums: np.ndarray | None,
 ) -> np.ndarray:
-    """Write the framing of ``name`` around raw streams already placed in ``out``.
+    """Write the framing of ``fmt`` around raw streams already placed in ``out``.
 
     Stream ``i`` sits at ``starts[i] + head``; returns the framed size of each chunk."""
-    head, tail = frame_layout(name)
-    if name == "lz4":
-        prefix = np.frombuffer(np.uint32(nbytes).astype("<u4").tobytes(), dtype=np.uint8)
-        out[starts[:, None] + np.arange(4)] = prefix
-    elif name == "zlib":
-        assert checksums is not None
-        out[starts[:, None] + np.arange(2)] = np.frombuffer(_ZLIB_HEADER, dtype=np.uint8)
-        trailer = checksums.astype(">u4").view(np.uint8).reshape(-1, 4)
-        out[(starts + head + raw_sizes)[:, None] + np.arange(4)] = trailer
+    head, tail = frame_layout(fmt)
+    if fmt is not None:
+        fmt.write_framing(out, starts, raw_sizes, nbytes, checksums)
     return raw_sizes + head + tail
 
 
-def _raw_host(name: str, row: np.ndarray) -> bytes:
-    """One raw stream as nvCOMP writes it (``BitstreamKind.RAW``), made on the host."""
-    if name == "zstd":
-        return bytes(numcodecs.Zstd().encode(row))
-    if name == "gzip":
-        return bytes(numcodecs.GZip().encode(row))
-    if name == "lz4":
-        return bytes(numcodecs.LZ4().encode(row))[4:]  # without numcodecs' size prefix
-    if name == "zlib":
-        deflate = zlib.compressobj(wbits=-15)
-        return deflate.compress(row.tobytes()) + deflate.flush()
-    raise ValueError(f"no stream format {name!r}")
-
-
 def pack(
-    name: str | None, raw: list[bytes] | None, data: np.ndarray, checksums: np.ndarray | None
+    fmt: Format | None, raw: list[bytes] | None, data: np.ndarray, checksums: np.ndarray | None
 ) -> Encoded:
     """Lay raw streams (or, uncompressed, the rows of ``data``) out with their framing."""
     n, nbytes = data.shape
-    if name is None:
+    if fmt is None:
         return Encoded(
             data.reshape(-1),
             np.arange(n, dtype=np.int64) * nbytes,
@@ -377,20 +347,20 @@ def pack(
         )
     assert raw is not None
     raw_sizes = np.array([len(r) for r in raw], dtype=np.int64)
-    starts, total, head = stream_starts(name, raw_sizes)
+    starts, total, head = stream_starts(fmt, raw_sizes)
     out = np.empty(total, dtype=np.uint8)
     for i, r in enumerate(raw):
         out[starts[i] + head : starts[i] + head + len(r)] = np.frombuffer(r, dtype=np.uint8)
-    sizes = add_framing(name, out, starts, raw_sizes, nbytes, checksums)
+    sizes = add_framing(fmt, out, starts, raw_sizes, nbytes, checksums)
     return Encoded(out, starts, sizes)
 
 
 def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
     """Encode chunk arrays ``(n, *chunk_shape)`` on the host, as the device does."""
     data = layout(chain, chunks, np)
-    name = chain.compressor
-    if name is None:
+    fmt = chain.compressor
+    if fmt is None:
         return pack(None, None, data, None)
-    raw = [_raw_host(name, row) for row in data]
-    checksums = adler32(data, np) if name == "zlib" else None
-    return pack(name, raw, data, checksums)
+    raw = [fmt.encode_raw(row) for row in data]
+    checksums = adler32(data, np) if fmt.adler32 else None
+    return pack(fmt, raw, data, checksums)

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import google_crc32c
 import numpy as np
 from numcodecs.compat import ensure_ndarray
 
 from xarray_gds.batch import parallel
-from xarray_gds.codecs import Compressor, framing
+from xarray_gds.codecs.formats import CRC32C, Compressor
 from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["decompress", "parallel", "strip_crc32c"]
@@ -21,18 +20,12 @@ def strip_crc32c(chunks: Sequence[Any], keys: Sequence[str]) -> list[np.ndarray]
     out = []
     for i, raw in enumerate(chunks):  # keys[i] only on error: they may be formatted lazily
         data = ensure_ndarray(raw).view(np.uint8).reshape(-1)
-        if data.size < 4:
-            raise ChunkDecodeError(
-                keys[i], "crc32c", f"{data.size} bytes is too short for a checksum"
-            )
-        body, stored = data[:-4], int(data[-4:].view("<u4")[0])
-        actual = google_crc32c.value(body.tobytes())
+        if data.size < CRC32C.trim:
+            raise CRC32C.too_short(keys[i], data.size)
+        body, stored = data[: -CRC32C.trim], int(data[-CRC32C.trim :].view("<u4")[0])
+        actual = CRC32C.value(body.tobytes())
         if actual != stored:
-            raise ChunkDecodeError(
-                keys[i],
-                "crc32c",
-                f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x})",
-            )
+            raise CRC32C.mismatch(keys[i], stored, actual)
         out.append(body)
     return out
 
@@ -50,19 +43,14 @@ def decompress(
     ``i`` holds its values (to start its copy to the device).
 
     The decoded sizes that streams declare (zstd frame content sizes, numcodecs' LZ4
-    size prefixes) are checked against ``nbytes`` first, as on the GPU: numcodecs
-    allocates what a stream declares before it decodes a byte, so a damaged header
-    would otherwise ask for terabytes. Blosc frames are checked by
-    :func:`xarray_gds.codecs.blosc.parse_frames` before this is called.
+    size prefixes, Blosc headers and tables) are checked against ``nbytes`` first, as
+    on the GPU (:meth:`Format.check_host <xarray_gds.codecs.formats.base.Format.check_host>`):
+    numcodecs allocates what a stream declares before it decodes a byte, so a damaged
+    header would otherwise ask for terabytes.
     """
     # numcodecs decodes straight into the output when every stream's decoded size is
-    # known to be ``nbytes`` (checked above or by parse_frames): one copy less
-    into = compressor.name in ("lz4", "blosc")
-    if compressor.name in framing.STREAMS:
-        heads, sizes = framing.heads(chunks)
-        framing.check(compressor.name, heads, sizes, nbytes, keys)
-        if compressor.name == "zstd":
-            into = bool(np.all(framing.zstd_content_sizes(heads) == nbytes))
+    # known to be ``nbytes`` (as the checks found): one copy less
+    into = compressor.format.check_host(chunks, nbytes, keys)
     if out is None:
         out = np.empty((len(chunks), nbytes), dtype=np.uint8)
     rows = out
