@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,13 +65,14 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 # -- reads recorded in the worker processes -----------------------------------------
 
 
-def _recorder() -> tuple[Callable[[float], None], Callable[[], list[Any]], Callable[[], None]]:
+def _recorder() -> tuple[Callable[[Any], None], Callable[[], list[Any]], Callable[[], None]]:
     """(install, take, clear) to run on workers with ``client.run``. Defined inside a
     function so that they travel by value (workers need not import the tests)."""
 
-    def install(delay: float) -> None:
+    def install(meet: Any) -> None:
         from xarray_gds import coalesce
 
+        coalesce._test_meet = meet  # type: ignore[attr-defined]
         if getattr(coalesce, "_test_reads", None) is not None:
             return
         real = coalesce._read
@@ -81,7 +81,10 @@ def _recorder() -> tuple[Callable[[float], None], Callable[[], list[Any]], Calla
         def read(group: list[Any]) -> Any:
             gpu = group[0].gpu if group[0].decode_on_device else -1
             log.append((os.getpid(), gpu, [str(p) for r in group for p in r.paths]))
-            time.sleep(delay)
+            meet = coalesce._test_meet  # type: ignore[attr-defined]
+            if meet is not None:  # this worker's first read: wait until every worker reads
+                coalesce._test_meet = None  # type: ignore[attr-defined]
+                meet.wait(60)  # BrokenBarrierError (the test fails) if one never does
             return real(group)
 
         coalesce._read = read  # type: ignore[assignment]
@@ -103,15 +106,23 @@ def _recorder() -> tuple[Callable[[float], None], Callable[[], list[Any]], Calla
 class Reads:
     """The batches the engine read on each worker since the last :meth:`clear`.
 
-    Each batch takes ``delay`` seconds longer, as reads of real sizes do: the tiny test
-    stores read in milliseconds, and a worker done with its group could take the next
-    one from the scheduler's queue before the other worker got to it (the queue also
-    holds the reduction's own root tasks), which is the scheduler's choice to make."""
+    :meth:`meet` makes the first read of each worker wait until every worker has begun
+    one (a barrier shared by the worker processes): the tiny test stores read in
+    milliseconds, and a worker done with its group could otherwise take the next one
+    from the scheduler's queue before the other worker got to it (the queue also holds
+    the reduction's own root tasks), which is the scheduler's choice to make. While a
+    worker waits there, its thread is busy, and the scheduler hands the next group to
+    the other worker."""
 
-    def __init__(self, client: Any, delay: float = 0.2) -> None:
+    def __init__(self, client: Any) -> None:
         self.client = client
         self._install, self._take, self._clear = _recorder()
-        client.run(self._install, delay)
+        client.run(self._install, None)
+
+    def meet(self, manager: Any) -> None:
+        """The next read of each worker waits for the first read of every worker."""
+        parties = len(self.client.run(os.getpid))  # the workers
+        self.client.run(self._install, manager.Barrier(parties))
 
     def clear(self) -> None:
         self.client.run(self._clear)
@@ -122,6 +133,15 @@ class Reads:
 
     def files(self) -> Counter[str]:
         return Counter(p for bs in self.batches().values() for _, _, paths in bs for p in paths)
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[Any]:
+    """A multiprocessing manager: its barriers are shared with the worker processes."""
+    import multiprocessing
+
+    with multiprocessing.Manager() as m:
+        yield m
 
 
 def _chunk_files(stores: list[Path], names: list[str]) -> set[str]:
@@ -182,9 +202,12 @@ def test_nothing_is_read_twice(stores: list[Path], client: Any, reads: Reads) ->
     assert not other, other
 
 
-def test_workers_read_their_own_share(stores: list[Path], client: Any, reads: Reads) -> None:
+def test_workers_read_their_own_share(
+    stores: list[Path], client: Any, reads: Reads, manager: Any
+) -> None:
     gds = xr.open_mfdataset(stores, engine="gds-zarr", device="cpu", parallel=True, **MINIMAL)
     reads.clear()
+    reads.meet(manager)
     gds.t2m.sum().compute()
     batches = reads.batches()
     counts = {w: len(b) for w, b in batches.items()}
@@ -195,10 +218,13 @@ def test_workers_read_their_own_share(stores: list[Path], client: Any, reads: Re
 
 
 @needs_fuse
-def test_each_worker_joins_its_reads(stores: list[Path], client: Any, reads: Reads) -> None:
+def test_each_worker_joins_its_reads(
+    stores: list[Path], client: Any, reads: Reads, manager: Any
+) -> None:
     gds = xr.open_mfdataset(stores, engine="gds-zarr", device="cpu", parallel=True, **MINIMAL)
     ref = xr.open_mfdataset(stores, engine="zarr", parallel=True, **MINIMAL)
     reads.clear()
+    reads.meet(manager)
     t2m = gds.t2m.reset_coords(drop=True)  # t2m's blocks only (not the 2-D coordinate)
     got = t2m.mean("time").compute()
     xr.testing.assert_identical(got, ref.t2m.reset_coords(drop=True).mean("time").compute())
@@ -214,11 +240,12 @@ def test_each_worker_joins_its_reads(stores: list[Path], client: Any, reads: Rea
 
 @needs_fuse
 def test_groups_are_a_multiple_of_the_workers(
-    stores: list[Path], client: Any, reads: Reads
+    stores: list[Path], client: Any, reads: Reads, manager: Any
 ) -> None:
     gds = xr.open_mfdataset(stores, engine="gds-zarr", device="cpu", parallel=True, **MINIMAL)
     ref = xr.open_mfdataset(stores, engine="zarr", parallel=True, **MINIMAL)
     reads.clear()
+    reads.meet(manager)
     per_store = gds.t2m.nbytes // N_STORES
     # groups of about one store's bytes at most: 4 groups (a multiple of 2 workers)
     with zarr.config.set({"xarray_gds.fuse_bytes": per_store}):
@@ -233,13 +260,14 @@ def test_groups_are_a_multiple_of_the_workers(
 # u16 is stored in chunks of 3 time steps: xarray notes that blocks of 4 split them
 @pytest.mark.filterwarnings("ignore:The specified chunks separate:UserWarning")
 def test_open_dataset_chunks_spread_over_workers(
-    stores: list[Path], client: Any, reads: Reads
+    stores: list[Path], client: Any, reads: Reads, manager: Any
 ) -> None:
     """One store, one array: its groups still go to both workers (they depend on no
     task that one worker holds)."""
     gds = xr.open_dataset(stores[0], engine="gds-zarr", device="cpu", chunks={"time": 4})
     ref = xr.open_dataset(stores[0], engine="zarr", chunks={"time": 4})
     reads.clear()
+    reads.meet(manager)
     got = gds.t2m.mean(("lat", "lon")).compute()
     xr.testing.assert_identical(got, ref.t2m.mean(("lat", "lon")).compute())
     batches = reads.batches()
@@ -249,20 +277,20 @@ def test_open_dataset_chunks_spread_over_workers(
     assert _chunk_files(stores[:1], ["t2m"]) <= set(files)
 
 
-def test_a_killed_worker_is_replaced(stores: list[Path], tmp_path: Path) -> None:
+def test_a_killed_worker_is_replaced(stores: list[Path], manager: Any) -> None:
     """A worker process killed while it reads: its nanny starts a new one, the
     scheduler runs the lost tasks again, and the answer is the same."""
-    marks = tmp_path / "reading"
-    marks.mkdir()
+    reading = manager.Queue()  # the pids of the workers whose read began
+    hold = manager.Event()  # set once the victim is killed: the others read on
 
-    def slow_reads() -> None:  # on the workers: mark that a read started, then wait
+    def held_reads(reading: Any, hold: Any) -> None:  # on the workers
         from xarray_gds import coalesce
 
         real = coalesce._read
 
         def read(group: list[Any]) -> Any:
-            (marks / str(os.getpid())).touch()
-            time.sleep(1.0)
+            reading.put(os.getpid())
+            hold.wait()
             return real(group)
 
         coalesce._read = read  # type: ignore[assignment]
@@ -277,15 +305,12 @@ def test_a_killed_worker_is_replaced(stores: list[Path], tmp_path: Path) -> None
         gds = xr.open_mfdataset(stores, engine="gds-zarr", device="cpu", parallel=True, **MINIMAL)
         ref = xr.open_mfdataset(stores, engine="zarr", parallel=True, **MINIMAL)
         before = set(client.run(os.getpid).values())
-        client.run(slow_reads)
+        client.run(held_reads, reading, hold)
         future = client.compute(gds[["t2m", "u10"]].mean("time"))
-        deadline = time.monotonic() + 60
-        while not any(marks.iterdir()):
-            assert time.monotonic() < deadline, "no worker started reading"
-            time.sleep(0.05)
-        victim = int(next(marks.iterdir()).name)
+        victim = reading.get(timeout=60)  # queue.Empty (a failure) if no read begins
         assert victim in before
         os.kill(victim, signal.SIGKILL)  # a worker process this test's cluster started
+        hold.set()
         got = future.result(timeout=120)
         client.wait_for_workers(2, timeout=60)
         after = set(client.run(os.getpid).values())
@@ -331,6 +356,8 @@ def _cuda_cluster(n_workers: int | None) -> Any:
 
 
 def _check_on_cluster(stores: list[Path], client: Any, n_gpus: int) -> None:
+    import multiprocessing
+
     reads = Reads(client)
     on_gpu = {"chunked_array_type": xarray_gds.GdsDaskManager()}
     gds = xr.open_mfdataset(
@@ -345,7 +372,9 @@ def _check_on_cluster(stores: list[Path], client: Any, n_gpus: int) -> None:
         assert all(w["device"] == w["current"] and w["bus"] == w["worker_bus"] for w in where)
     # each worker reads on its own GPU: as many GPUs as workers that read
     reads.clear()
-    got = gds[names].compute()
+    with multiprocessing.Manager() as manager:
+        reads.meet(manager)
+        got = gds[names].compute()
     xr.testing.assert_identical(got.as_numpy(), ref[names].compute())
     batches = reads.batches()
     assert len(batches) == n_gpus
