@@ -58,7 +58,7 @@ def _write_in_thread(store: Any, key: str) -> threading.Thread:
         except BaseException as err:  # pragma: no cover - reported by the join below
             errors.append(err)
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.errors = errors  # type: ignore[attr-defined]
     return thread
@@ -72,11 +72,14 @@ def test_held_metadata_store_removes_chunks_that_land_after_the_failure() -> Non
     sync(store.set("p/c/0", _buffer(b"early")))
     assert sync(inner.exists("p/c/0")) and not sync(inner.exists("p/zarr.json"))
     late = _write_in_thread(store, "p/c/1")
-    assert inner.entered.wait()  # the write of p/c/1 is under way...
-    store.discard()  # ...when the write fails: p/c/0 goes at once
-    assert not sync(inner.exists("p/c/0"))
-    inner.release.set()  # p/c/1 lands after the clean-up: it is removed as it lands
-    late.join()
+    try:
+        assert inner.entered.wait()  # the write of p/c/1 is under way...
+        store.discard()  # ...when the write fails: p/c/0 goes at once
+        early_gone = not sync(inner.exists("p/c/0"))
+    finally:  # p/c/1 lands after the clean-up: it is removed as it lands
+        inner.release.set()
+        late.join()
+    assert early_gone
     assert late.errors == []  # type: ignore[attr-defined]
     sync(store.set("p/c/2", _buffer(b"later")))  # a write that starts after the failure
     assert sorted(inner._store_dict) == ["q/c/0"]
@@ -113,7 +116,6 @@ def test_local_store_failure_waits_for_running_chunk_writes(
     sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
     sync(store.set("p/c/0", _buffer(b"early")))
     late = _write_in_thread(store, "p/c/1")
-    assert entered.wait()  # the write of p/c/1 is under way when the write fails
 
     def discard() -> None:
         try:
@@ -121,12 +123,16 @@ def test_local_store_failure_waits_for_running_chunk_writes(
         finally:
             cleaning.set()
 
-    failing = threading.Thread(target=discard)
-    failing.start()
-    assert cleaning.wait()
-    release.set()  # p/c/1 lands now: while the clean-up waits for it, or after it
-    late.join()
-    failing.join()
+    failing = threading.Thread(target=discard, daemon=True)
+    try:
+        assert entered.wait()  # the write of p/c/1 is under way when the write fails
+        failing.start()
+        assert cleaning.wait()
+    finally:  # p/c/1 lands now: while the clean-up waits for it, or after it
+        release.set()
+        late.join()
+        if failing.ident is not None:  # started
+            failing.join()
     assert late.errors == []  # type: ignore[attr-defined]
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert files == ["q/c/0"]
