@@ -506,7 +506,7 @@ def read_references(
     if not extra:
         return batch
     from xarray_gds import device as _device
-    from xarray_gds.codecs import nvcomp
+    from xarray_gds.batch import pack
 
     cp = _device.cupy()
     arrays: list[Any] = [None] * n
@@ -517,4 +517,4 @@ def read_references(
             arrays[i] = batch.arena[start : start + size]
     for i, data in extra.items():
         arrays[i] = cp.asarray(np.frombuffer(data, dtype=np.uint8))
-    return nvcomp.pack(arrays)
+    return pack(arrays)

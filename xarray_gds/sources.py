@@ -229,9 +229,9 @@ def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
     """Host arrays as a read returns them: as they are, or packed into one arena."""
     if not on_device:
         return found
-    from xarray_gds.codecs import nvcomp
+    from xarray_gds.batch import pack
 
-    return nvcomp.pack([None if a is None else _device.cupy().asarray(a) for a in found])
+    return pack([None if a is None else _device.cupy().asarray(a) for a in found])
 
 
 class RemoteSource(StoreSource):
@@ -409,7 +409,7 @@ def join(parts: list[tuple[np.ndarray, Any]], n: int, on_device: bool) -> Any:
             for i, a in zip(idx.tolist(), got, strict=True):
                 out[i] = a
         return out
-    from xarray_gds.codecs import nvcomp
+    from xarray_gds.batch import pack
 
     if len(parts) == 1 and len(parts[0][0]) == n and np.all(parts[0][0] == np.arange(n)):
         return parts[0][1]
@@ -419,4 +419,4 @@ def join(parts: list[tuple[np.ndarray, Any]], n: int, on_device: bool) -> Any:
         for i, start, size in zip(idx.tolist(), batch.offsets, batch.sizes, strict=True):
             if size >= 0:
                 arrays[i] = batch.arena[int(start) : int(start) + int(size)]
-    return nvcomp.pack(arrays)
+    return pack(arrays)
