@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -102,6 +102,11 @@ def first_word(heads: np.ndarray) -> np.ndarray:
     return h[:, 0] | h[:, 1] << 8 | h[:, 2] << 16 | h[:, 3] << 24
 
 
+def _instance(codec: Any, cls: type | None) -> bool:
+    """Whether ``codec`` is an instance of ``cls`` (never, when ``cls`` is None)."""
+    return cls is not None and isinstance(codec, cls)
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class Format:
     """One compression format and everything the package knows about it.
@@ -154,6 +159,13 @@ class Format:
     encode_limit: int | None = None
     adler32: bool = False
 
+    #: numcodecs codec class of the format, and the Zarr v3 codec class (whose ``level``
+    #: the numcodecs codec takes), if any
+    numcodecs_class: ClassVar[type | None] = None
+    zarr_class: ClassVar[type | None] = None
+    #: the codecs' level-like setting (None: none that nvCOMP's encoders ignore)
+    level_name: ClassVar[str | None] = "level"
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} format {self.name!r}>"
 
@@ -166,15 +178,19 @@ class Format:
 
     def numcodecs_codec(self, **options: Any) -> Any:
         """A numcodecs codec that writes (and decodes) this format's chunks."""
-        raise NotImplementedError(f"{self.name} has no numcodecs codec")
+        if self.numcodecs_class is None:
+            raise NotImplementedError(f"{self.name} has no numcodecs codec")
+        return self.numcodecs_class(**options)
 
     def from_numcodecs(self, codec: Any) -> Compressor | None:
         """The decode stage of a Zarr v2 (numcodecs) compressor of this format, else None."""
-        return None
+        return Compressor(self, codec) if _instance(codec, self.numcodecs_class) else None
 
     def from_zarr(self, codec: Any) -> Compressor | None:
         """The decode stage of a Zarr v3 codec of this format, else None."""
-        return None
+        if not _instance(codec, self.zarr_class):
+            return None
+        return Compressor(self, self.numcodecs_codec(level=codec.level))
 
     def refuse_encode(self, codec: Any) -> str:
         """Why nvCOMP cannot write exactly what ``codec`` describes ("" when it can),
@@ -183,7 +199,11 @@ class Format:
 
     def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
         """``(name, level, default level)`` of the level-like setting of ``codec``."""
-        return None
+        classes = tuple(c for c in (self.numcodecs_class, self.zarr_class) if c is not None)
+        if self.level_name is None or not isinstance(codec, classes):
+            return None
+        value, default = getattr(codec, self.level_name), getattr(type(codec)(), self.level_name)
+        return self.level_name, value, default
 
     # -- framing ----------------------------------------------------------------------
 
@@ -226,6 +246,17 @@ class Format:
     def _check_heads(self, heads: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         """Raise ChunkDecodeError for the first chunk whose header is wrong."""
 
+    def _wrong_size(self, key: str, says: str, declared: int, nbytes: int) -> ChunkDecodeError:
+        """The error of a chunk whose framing declares another decoded size (``says``
+        formats the declared size)."""
+        return ChunkDecodeError(
+            key,
+            self.name,
+            f"{says.format(declared)}, expected {nbytes}",
+            decoded=declared,
+            expected=nbytes,
+        )
+
     def check_tail(self, tails: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         """Check the last :attr:`tail` bytes ``(n, tail)`` of every raw stream."""
 
@@ -244,8 +275,11 @@ class Format:
     # -- raw streams (nvCOMP's view), on the host ---------------------------------------
 
     def encode_raw(self, row: np.ndarray) -> bytes:
-        """One raw stream as nvCOMP writes it (``BitstreamKind.RAW``), made on the host."""
-        raise NotImplementedError(f"{self.name} has no raw stream encoder")
+        """One raw stream as nvCOMP writes it (``BitstreamKind.RAW``), made on the host
+        (by default: the numcodecs codec's stream, for formats without framing)."""
+        if self.trim:
+            raise NotImplementedError(f"{self.name} has no raw stream encoder")
+        return bytes(self.numcodecs_codec().encode(row))
 
     def decode_raw(self, stream: np.ndarray, nbytes: int) -> Any:
         """Decode one raw stream (no framing) of ``nbytes`` decoded bytes on the host."""
@@ -263,14 +297,10 @@ class Format:
         return nbytes + nbytes // 64 + 65536
 
     def write_framing(
-        self,
-        out: np.ndarray,
-        starts: np.ndarray,
-        raw_sizes: np.ndarray,
-        nbytes: int,
-        checksums: np.ndarray | None,
+        self, out: np.ndarray, starts: np.ndarray, raw_sizes: np.ndarray, nbytes: int, sums: Any
     ) -> None:
-        """Write the framing around raw streams placed at ``starts + skip`` of ``out``."""
+        """Write the framing around raw streams placed at ``starts + skip`` of ``out``
+        (``sums``: the Adler-32 of every chunk's decoded bytes where :attr:`adler32`)."""
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,8 @@ STREAMS = {
 class Blosc(Format):
     """The Blosc1 format (see the module docstring)."""
 
-    def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.Blosc(**options)
+    numcodecs_class = numcodecs.Blosc
+    level_name = None  # no batched encoder
 
     def compressor(self, cname: Any) -> Compressor:
         """Blosc with compressor ``cname``; frames say how they decode, so one numcodecs

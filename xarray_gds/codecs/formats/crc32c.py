@@ -23,7 +23,7 @@ class Crc32c(Format):
     """The crc32c checksum (see the module docstring)."""
 
     def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.CRC32C(**options)
+        return numcodecs.CRC32C(**options)  # not numcodecs_class: no Zarr v2 compressor
 
     def claims(self, codec: Any) -> bool:
         """Whether ``codec`` (Zarr v3) appends this checksum."""

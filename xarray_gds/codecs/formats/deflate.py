@@ -17,7 +17,7 @@ import numcodecs
 import numpy as np
 import zarr.codecs as zc
 
-from xarray_gds.codecs.formats.base import Compressor, Format, Rates, first_bad
+from xarray_gds.codecs.formats.base import Format, Rates, first_bad
 from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["GZIP", "ZLIB", "Gzip", "Zlib"]
@@ -36,16 +36,7 @@ class _Deflate(Format):
 class Zlib(_Deflate):
     """Deflate in zlib framing (see the module docstring)."""
 
-    def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.Zlib(**options)
-
-    def from_numcodecs(self, codec: Any) -> Compressor | None:
-        return Compressor(self, codec) if isinstance(codec, numcodecs.Zlib) else None
-
-    def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
-        if isinstance(codec, numcodecs.Zlib):
-            return "level", codec.level, type(codec)().level
-        return None
+    numcodecs_class = numcodecs.Zlib
 
     def _check_heads(self, heads: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         h = heads.astype(np.int64)
@@ -62,37 +53,19 @@ class Zlib(_Deflate):
         return zlib.decompress(np.ascontiguousarray(stream).tobytes(), wbits=-15)
 
     def write_framing(
-        self,
-        out: np.ndarray,
-        starts: np.ndarray,
-        raw_sizes: np.ndarray,
-        nbytes: int,
-        checksums: np.ndarray | None,
+        self, out: np.ndarray, starts: np.ndarray, raw_sizes: np.ndarray, nbytes: int, sums: Any
     ) -> None:
-        assert checksums is not None
+        assert sums is not None  # the Adler-32 of every chunk
         out[starts[:, None] + np.arange(self.skip)] = _ZLIB_HEADER
-        trailer = checksums.astype(">u4").view(np.uint8).reshape(-1, 4)
+        trailer = sums.astype(">u4").view(np.uint8).reshape(-1, 4)
         out[(starts + self.skip + raw_sizes)[:, None] + np.arange(4)] = trailer
 
 
 class Gzip(_Deflate):
     """Deflate in gzip framing (see the module docstring)."""
 
-    def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.GZip(**options)
-
-    def from_numcodecs(self, codec: Any) -> Compressor | None:
-        return Compressor(self, codec) if isinstance(codec, numcodecs.GZip) else None
-
-    def from_zarr(self, codec: Any) -> Compressor | None:
-        if not isinstance(codec, zc.GzipCodec):
-            return None
-        return Compressor(self, numcodecs.GZip(level=codec.level))
-
-    def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
-        if isinstance(codec, zc.GzipCodec | numcodecs.GZip):
-            return "level", codec.level, type(codec)().level
-        return None
+    numcodecs_class = numcodecs.GZip
+    zarr_class = zc.GzipCodec
 
     def _check_heads(self, heads: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         h = heads.astype(np.int64)
@@ -103,19 +76,9 @@ class Gzip(_Deflate):
     def check_tail(self, tails: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         """Check gzip's ISIZE trailer (decoded size mod 2**32) of every chunk."""
         isize = np.ascontiguousarray(tails).view("<u4")[:, 0]
-        bad = np.flatnonzero(isize != (nbytes & 0xFFFFFFFF))
-        if bad.size:
-            j = int(bad[0])
-            raise ChunkDecodeError(
-                keys[j],
-                self.name,
-                f"trailer gives {int(isize[j])} decoded bytes, expected {nbytes}",
-                decoded=int(isize[j]),
-                expected=nbytes,
-            )
-
-    def encode_raw(self, row: np.ndarray) -> bytes:
-        return bytes(numcodecs.GZip().encode(row))
+        j = first_bad(isize != (nbytes & 0xFFFFFFFF))
+        if j is not None:
+            raise self._wrong_size(keys[j], "trailer gives {} decoded bytes", int(isize[j]), nbytes)
 
 
 #: Deflate in zlib framing.

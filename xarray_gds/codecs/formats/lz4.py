@@ -13,14 +13,12 @@ import numcodecs
 import numpy as np
 
 from xarray_gds.codecs.formats.base import (
-    Compressor,
     DeviceWalk,
     Format,
     Rates,
     first_bad,
     first_word,
 )
-from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["LZ4", "Lz4"]
 
@@ -85,28 +83,14 @@ def _prefix(nbytes: int) -> np.ndarray:
 class Lz4(Format):
     """The LZ4 format (see the module docstring)."""
 
-    def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.LZ4(**options)
-
-    def from_numcodecs(self, codec: Any) -> Compressor | None:
-        return Compressor(self, codec) if isinstance(codec, numcodecs.LZ4) else None
-
-    def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
-        if isinstance(codec, numcodecs.LZ4):
-            return "acceleration", codec.acceleration, type(codec)().acceleration
-        return None
+    numcodecs_class = numcodecs.LZ4
+    level_name = "acceleration"
 
     def _check_heads(self, heads: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         word = first_word(heads)
         j = first_bad(word != nbytes)
         if j is not None:
-            raise ChunkDecodeError(
-                keys[j],
-                self.name,
-                f"size prefix says {int(word[j])} bytes, expected {nbytes}",
-                decoded=int(word[j]),
-                expected=nbytes,
-            )
+            raise self._wrong_size(keys[j], "size prefix says {} bytes", int(word[j]), nbytes)
 
     def _decodes_into(self, heads: np.ndarray, nbytes: int) -> bool:
         return True  # every size prefix was checked
@@ -118,12 +102,7 @@ class Lz4(Format):
         return numcodecs.LZ4().decode(np.concatenate([_prefix(nbytes), stream]))
 
     def write_framing(
-        self,
-        out: np.ndarray,
-        starts: np.ndarray,
-        raw_sizes: np.ndarray,
-        nbytes: int,
-        checksums: np.ndarray | None,
+        self, out: np.ndarray, starts: np.ndarray, raw_sizes: np.ndarray, nbytes: int, sums: Any
     ) -> None:
         out[starts[:, None] + np.arange(_PREFIX)] = _prefix(nbytes)
 

@@ -15,7 +15,6 @@ import numpy as np
 import zarr.codecs as zc
 
 from xarray_gds.codecs.formats.base import (
-    Compressor,
     DeviceWalk,
     Format,
     Rates,
@@ -91,26 +90,13 @@ def content_sizes(heads: np.ndarray) -> np.ndarray:
 class Zstd(Format):
     """The zstd format (see the module docstring)."""
 
-    def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.Zstd(**options)
-
-    def from_numcodecs(self, codec: Any) -> Compressor | None:
-        return Compressor(self, codec) if isinstance(codec, numcodecs.Zstd) else None
-
-    def from_zarr(self, codec: Any) -> Compressor | None:
-        if not isinstance(codec, zc.ZstdCodec):
-            return None
-        return Compressor(self, numcodecs.Zstd(level=codec.level))
+    numcodecs_class = numcodecs.Zstd
+    zarr_class = zc.ZstdCodec
 
     def refuse_encode(self, codec: Any) -> str:
         if getattr(codec, "checksum", False):
             return "zstd checksum=True: nvCOMP does not write content checksums"
         return ""
-
-    def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
-        if isinstance(codec, zc.ZstdCodec | numcodecs.Zstd):
-            return "level", codec.level, type(codec)().level
-        return None
 
     def _check_heads(self, heads: np.ndarray, nbytes: int, keys: Sequence[str]) -> None:
         j = first_bad(first_word(heads) != _MAGIC)
@@ -119,19 +105,12 @@ class Zstd(Format):
         declared = content_sizes(heads)
         j = first_bad((declared >= 0) & (declared != nbytes))
         if j is not None:
-            raise ChunkDecodeError(
-                keys[j],
-                self.name,
-                f"frame declares {int(declared[j])} decoded bytes, expected {nbytes}",
-                decoded=int(declared[j]),
-                expected=nbytes,
+            raise self._wrong_size(
+                keys[j], "frame declares {} decoded bytes", int(declared[j]), nbytes
             )
 
     def _decodes_into(self, heads: np.ndarray, nbytes: int) -> bool:
         return bool(np.all(content_sizes(heads) == nbytes))
-
-    def encode_raw(self, row: np.ndarray) -> bytes:
-        return bytes(numcodecs.Zstd().encode(row))
 
 
 #: The zstd format.
