@@ -17,6 +17,7 @@ zarr-python as with ``engine="zarr"``.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,12 @@ def to_zarr(
         by ``engine="gds-zarr"``.
     store : str, path or zarr Store
         A local directory is written through :class:`~xarray_gds.store.GdsStore`;
-        URLs (``"s3://..."``) and Store objects go to ``Dataset.to_zarr`` unchanged.
+        other stores (URLs such as ``"s3://..."``, zarr Store objects) through
+        :class:`~xarray_gds.deferred.HeldMetadataStore`, which writes the metadata
+        after the chunks it describes. An Icechunk session's store
+        (``session.store``) is written as zarr writes it: Icechunk checks chunk keys
+        against the metadata, and the session's commit publishes the write whole (or
+        nothing, if it is never committed).
     levels : {"host", "gpu"}
         nvCOMP's encoders have no compression levels. ``"host"`` (default): arrays
         whose codec sets a level (LZ4: acceleration) other than the codec's default
@@ -133,6 +139,11 @@ def to_zarr(
         store = remote.open_url(store, kwargs.pop("storage_options", None), read_only=False)
     if not isinstance(store, Store):
         store = _as_store(store, kwargs.pop("storage_options", None))
+    if _transactional(store):
+        # its commit is the all-or-nothing guarantee, and it checks chunk keys against
+        # the metadata: written in the order zarr writes them, nothing held back
+        with writing_to(store, levels):
+            return prepared.to_zarr(store, **kwargs)
     if not isinstance(store, GdsStore):
         # any other zarr Store (S3, HTTP, memory): metadata held back the same way
         held = HeldMetadataStore(store, lock_timeout=lock_timeout)
@@ -156,6 +167,14 @@ def to_zarr(
         raise
     store.flush_metadata()
     return result
+
+
+def _transactional(store: Store) -> bool:
+    """Whether ``store`` writes into a transaction of its own that a commit publishes
+    whole (an Icechunk session's store). Nothing imports icechunk to ask: a user who
+    holds such a store has imported it."""
+    icechunk = sys.modules.get("icechunk")
+    return icechunk is not None and isinstance(store, icechunk.IcechunkStore)
 
 
 def _as_store(store: Any, storage_options: dict[str, Any] | None) -> Store:
