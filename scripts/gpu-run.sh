@@ -38,14 +38,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # -ra (not -rf): the log lists every skip with its reason, so a GPU run that skips
   # shows why
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" | tail -30
-  timeout 60 python3 -m xarray_gds.cli demo --device cuda > "$out/demo.txt" 2>&1 || rc=1
+  timeout 60 python3 -m xarray_gds.tools.cli demo --device cuda > "$out/demo.txt" 2>&1 || rc=1
   tail -5 "$out/demo.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   cases=()
   for c in ${BENCH_CASES:-}; do cases+=(--case "$c"); done
   if [ -n "${BENCH_PROFILE:-}" ]; then cases+=(--profile "$out/profiles"); fi
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m xarray_gds.cli bench \
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m xarray_gds.tools.cli bench \
     --size-gb "${BENCH_SIZE:-2}" --repeat "${BENCH_REPEAT:-3}" "${cases[@]}" \
     --json "$out/bench.json" 2>&1 | grep -v -i warn | tee "$out/bench.txt" || rc=1
 fi

@@ -127,10 +127,10 @@ MUTANTS: list[Mutant] = [
         'if device_blocks and lazy.array.device == "cuda":',
         f"{T_HOST}::test_fuse_warns_once_for_device_arrays_with_host_blocks",
     ),
-    # store.py: local reads and deferred metadata
+    # io/local.py: local reads; store.py: deferred metadata
     _m(
         "store:short-range-accepted",
-        "store.py",
+        "io/local.py",
         "if len(data) != size:",
         "if len(data) > size:",
         T_STORE,
@@ -138,7 +138,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "store:range-end-off-by-one",
-        "store.py",
+        "io/local.py",
         "return start, max(0, min(byte_range.end, size) - start)",
         "return start, max(0, min(byte_range.end, size) - start - 1)",
         T_STORE,

@@ -218,15 +218,15 @@ def test_failed_new_variables_leave_dataset(
 
 
 class _Writes:
-    """``xarray_gds.store.write_file`` counted for the chunk files of one store: how many
+    """``xarray_gds.io.local.write_file`` counted for the chunk files of one store: how many
     are running; the ``fail_at``-th one (1-based) fails with ENOSPC once another chunk
     write has started, and the writes around it wait (at most ``hold`` seconds) for the
     test to see ``to_zarr`` return, so that writes are still in flight when it fails."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path, fail_at: int | None) -> None:
-        from xarray_gds import store as store_module
+        from xarray_gds.io import local as local_io
 
-        self.real = store_module.write_file
+        self.real = local_io.write_file
         self.root = os.path.realpath(root) + os.sep
         self.fail_at = fail_at
         self.hold = 0.5
@@ -235,7 +235,7 @@ class _Writes:
         self.lock = threading.Condition()
         self.started = threading.Event()  #: a chunk write other than the failing one began
         self.returned = threading.Event()  #: to_zarr returned
-        monkeypatch.setattr(store_module, "write_file", self)
+        monkeypatch.setattr(local_io, "write_file", self)
 
     def __call__(self, path: str, data: Any) -> None:
         key = os.path.realpath(path)[len(self.root) :]

@@ -289,7 +289,7 @@ def test_package_import_loads_no_cuda_library() -> None:
     code = (
         "import sys, zarr, xarray; cuda = ('cupy', 'kvikio', 'nvidia.nvcomp'); "
         "before = {m for m in cuda if m in sys.modules}; "
-        "import xarray_gds, xarray_gds.backend, xarray_gds.pipeline, xarray_gds.cli; "
+        "import xarray_gds, xarray_gds.backend, xarray_gds.pipeline, xarray_gds.tools.cli; "
         "added = {m for m in cuda if m in sys.modules} - before; "
         "print(added); sys.exit(1 if added else 0)"
     )

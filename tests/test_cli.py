@@ -19,8 +19,8 @@ import zarr
 import zarr.codecs as zc
 
 import xarray_gds
-from xarray_gds import cli
 from xarray_gds.codecs import crc32c, plan_chain
+from xarray_gds.tools import _text, cli, demo
 
 
 def sections(text: str) -> dict[str, str]:
@@ -87,7 +87,7 @@ def test_demo_keeps_store_in_dir(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_demo_dataset_is_weather_like() -> None:
-    ds = cli.make_demo_dataset("small")
+    ds = demo.make_demo_dataset("small")
     assert dict(ds.sizes) == {"time": 48, "lat": 73, "lon": 144}
     assert ds["t2m"].dtype == np.float32
     assert 220 < float(ds["t2m"].min()) < float(ds["t2m"].max()) < 320
@@ -99,13 +99,13 @@ def test_demo_dataset_is_weather_like() -> None:
     for name in ("t2m", "precip", "u10", "v10", "lat", "lon"):
         assert {"units", "long_name", "standard_name"} <= set(ds[name].attrs), name
     # Reproducible.
-    xr.testing.assert_identical(ds, cli.make_demo_dataset("small"))
+    xr.testing.assert_identical(ds, demo.make_demo_dataset("small"))
 
 
 def test_demo_reports_a_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = cli._timed_load
+    real = demo._timed_load
 
     def wrong(path: Path, engine: str, **kwargs: Any) -> tuple[xr.Dataset, float]:
         ds, seconds = real(path, engine, **kwargs)
@@ -113,7 +113,7 @@ def test_demo_reports_a_mismatch(
             ds["t2m"] = ds["t2m"] + 1
         return ds, seconds
 
-    monkeypatch.setattr(cli, "_timed_load", wrong)
+    monkeypatch.setattr(demo, "_timed_load", wrong)
     assert cli.main(["demo", "--device", "cpu"]) == 1
     out, err = capsys.readouterr()
     assert "identical: NO" in out
@@ -259,7 +259,7 @@ def test_info_routes_are_for_the_device_of_the_run(
 ) -> None:
     status = (True, "") if gpu else (False, "no GPU in this test; install hint")
     monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: status)
-    monkeypatch.setattr(cli, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(_text, "gpu_name", lambda: "Test GPU")
     path = _v2_store(tmp_path / "v2.zarr")
     assert cli.main(["info", str(path), "--device", asked]) == 0
     out = capsys.readouterr().out
@@ -333,7 +333,7 @@ def test_info_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     for i in range(500):  # about 290 kB of output: several times what a pipe holds
         root.create_array(f"a{i:03d}", shape=(4,), chunks=(2,), dtype="f4", dimension_names=["x"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "xarray_gds.cli", "info", str(tmp_path / "many.zarr")],
+        [sys.executable, "-m", "xarray_gds.tools.cli", "info", str(tmp_path / "many.zarr")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         bufsize=0,  # read only the first line from the pipe
@@ -422,7 +422,7 @@ def test_codec_name() -> None:
 
 
 def test_profile_names_are_plain() -> None:
-    from xarray_gds.bench import profile_name
+    from xarray_gds.tools.bench import profile_name
 
     assert profile_name("netcdf-refs", "gds-zarr chunks={}") == "netcdf-refs.gds-zarr_chunks.txt"
     assert profile_name("remote-s3", "s3fs GETs only") == "remote-s3.s3fs_GETs_only.txt"
@@ -448,7 +448,7 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_bench_shard_chunks_are_one_block_a_shard(tmp_path: Path) -> None:
     """usage-sharded-shards' chunks= gives dask blocks of exactly one shard each."""
-    from xarray_gds import bench
+    from xarray_gds.tools import bench
 
     spec = bench.CASES["usage-sharded-shards"]
     path = bench.make_store(tmp_path / "s.zarr", int(0.004e9), **spec["store"])
@@ -481,16 +481,16 @@ def test_bench_s3_server_is_a_loopback_process_of_its_own() -> None:
     s3fs = pytest.importorskip("s3fs")
     import threading
 
-    from xarray_gds import bench
+    from xarray_gds.tools import s3_server
 
     before = threading.active_count()
-    options = bench._loopback_s3()
+    options = s3_server.loopback_s3()
     assert options["endpoint_url"].startswith("http://127.0.0.1:")
     assert threading.active_count() == before  # no server threads in this process
     fs = s3fs.S3FileSystem(**options)
     fs.pipe("bench/probe", b"chunk bytes")
     assert fs.cat("bench/probe") == b"chunk bytes"
-    assert bench._loopback_s3() is options  # started once
+    assert s3_server.loopback_s3() is options  # started once
 
 
 def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -498,7 +498,7 @@ def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixtu
     and every reader of it is timed."""
     pytest.importorskip("netCDF4", reason="the netcdf-refs case writes NetCDF4 (test extra)")
     pytest.importorskip("kerchunk", reason="the netcdf-refs case needs kerchunk (test extra)")
-    from xarray_gds import bench, bench_refs
+    from xarray_gds.tools import bench, bench_refs
 
     store = bench.make_store(tmp_path / "s.zarr", 2 << 20, 256 << 10)
     nc = bench_refs.write_netcdf(store, tmp_path / "s.nc")
@@ -514,7 +514,7 @@ def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) -> None:
-    from xarray_gds import bench
+    from xarray_gds.tools import bench
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -539,7 +539,7 @@ def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_entry_point() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "xarray_gds.cli", "--version"],
+        [sys.executable, "-m", "xarray_gds.tools.cli", "--version"],
         capture_output=True,
         text=True,
         check=False,
@@ -566,7 +566,7 @@ def test_console_script(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_peak_device_bytes_counts_what_the_load_allocates() -> None:
     cp = pytest.importorskip("cupy")
-    from xarray_gds import bench
+    from xarray_gds.tools import bench
 
     def allocate() -> object:
         scratch = cp.empty(10 << 20, dtype=cp.uint8)

@@ -461,8 +461,8 @@ def test_bench_multi_gpu_case_runs(
     and the GPU counts the machine lacks are named."""
     import json
 
-    from xarray_gds import bench, cli
     from xarray_gds import device as _device
+    from xarray_gds.tools import bench, cli
 
     if _device.cuda_status()[0]:
         pytest.importorskip("dask_cuda", reason="on a GPU the case runs dask_cuda clusters")

@@ -288,16 +288,16 @@ def test_sharded_partial_reads_touch_only_needed_inner_chunks(
     ds.to_zarr(path, zarr_format=3, encoding={"v": {"chunks": (4, 4), "shards": (8, 8)}})
     ranges: list[tuple[str, int]] = []
 
-    from xarray_gds import store as store_mod
+    from xarray_gds.io import local as local_io
 
     for name in ("read_ranges_host", "read_ranges_device"):
-        real = getattr(store_mod, name)
+        real = getattr(local_io, name)
 
         def spy(paths: list, starts: Any, sizes: Any, _real: Any = real) -> Any:
             ranges.extend((Path(p).name, int(n)) for p, n in zip(paths, sizes, strict=True))
             return _real(paths, starts, sizes)
 
-        monkeypatch.setattr(store_mod, name, spy)
+        monkeypatch.setattr(local_io, name, spy)
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
     ref = xr.open_dataset(path, engine="zarr")
     one = gds.v.isel(y=9, x=10).load()

@@ -672,8 +672,8 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
     of a read whose server went away."""
     import logging
 
-    from xarray_gds import cli
     from xarray_gds.backend import open_store
+    from xarray_gds.tools import cli
 
     caplog.set_level(logging.DEBUG)  # every logger: ours, s3fs, botocore, aiohttp
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
@@ -757,7 +757,7 @@ def test_http_header_secret_never_in_retry_logs(faulty, caplog):
 
 
 def test_info_storage_options_parsed(http_root, capsys):
-    from xarray_gds import cli
+    from xarray_gds.tools import cli
 
     parsed = cli._storage_options(
         ["anon=true", "client_kwargs.region_name=eu-west-1", "secret=12345", 'n={"a": 1}']
@@ -944,7 +944,7 @@ def test_no_secret_in_info(http_root, capsys, caplog, where, case):
     group) with a secret in the URL and in a header."""
     import logging
 
-    from xarray_gds import cli
+    from xarray_gds.tools import cli
 
     caplog.set_level(logging.DEBUG)
     base = _closed_url() if case == "server-down" else f"{http_root}/one.zarr"

@@ -44,7 +44,7 @@ from xarray_gds import config, decode, route, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, parallel
 from xarray_gds.codecs import DecodeChain
-from xarray_gds.store import read_file, read_files_device, read_files_host
+from xarray_gds.io.local import read_file, read_files_device, read_files_host
 
 __all__ = [
     "STREAMED",

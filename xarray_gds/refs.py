@@ -324,7 +324,7 @@ class ReferenceStore(Store):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
-        from xarray_gds.store import _byte_span
+        from xarray_gds.io.local import byte_span as _byte_span
 
         ref = self.resolve(key)
         if ref is None:
@@ -483,12 +483,12 @@ def read_references(
     """The bytes of every reference (``None``: a key the set does not hold, read as a
     missing chunk): one DeviceBatch when ``on_device``, else a list of uint8 arrays.
 
-    Local ranges are read by :func:`xarray_gds.store.read_ranges_device` (kvikio, or
+    Local ranges are read by :func:`xarray_gds.io.local.read_ranges_device` (kvikio, or
     staged through pinned memory for small ranges) or
-    :func:`~xarray_gds.store.read_ranges_host`; inline bytes are copied in, remote
+    :func:`~xarray_gds.io.local.read_ranges_host`; inline bytes are copied in, remote
     ranges read through fsspec on the host.
     """
-    from xarray_gds.store import read_ranges_device, read_ranges_host
+    from xarray_gds.io.local import read_ranges_device, read_ranges_host
 
     n = len(refs)
     starts = np.array([0 if r is None else r.offset for r in refs], dtype=np.int64)

@@ -78,7 +78,7 @@ class LocalSource:
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
     ) -> Any:
-        from xarray_gds.store import read_files_device, read_files_host
+        from xarray_gds.io.local import read_files_device, read_files_host
 
         if not on_device:
             return read_files_host(locations)
@@ -94,7 +94,7 @@ class LocalSource:
     ) -> Any:
         """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner chunks):
         a DeviceBatch when ``on_device``, else a list of arrays."""
-        from xarray_gds.store import read_ranges_device, read_ranges_host
+        from xarray_gds.io.local import read_ranges_device, read_ranges_host
 
         if not on_device:
             return read_ranges_host(locations, starts, sizes)

@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import xarray as xr
 
-from xarray_gds import bench
 from xarray_gds.device import cuda_status
+from xarray_gds.tools import bench
 
 SIZE = float(os.environ.get("XARRAY_GDS_BENCH_GB", "0.25"))
 
@@ -160,7 +160,7 @@ class NetcdfRefs:
     param_names: ClassVar[list[str]] = ["reader"]
 
     def setup_cache(self) -> tuple[str, str]:
-        from xarray_gds import bench_refs
+        from xarray_gds.tools import bench_refs
 
         root = Path(tempfile.mkdtemp(prefix="xarray-gds-asv-"))
         spec = bench.CASES["netcdf-refs"]
@@ -171,7 +171,7 @@ class NetcdfRefs:
     def setup(self, files: tuple[str, str], reader: str) -> None:
         if not cuda_status()[0]:
             raise NotImplementedError("no GPU")
-        from xarray_gds import bench_refs
+        from xarray_gds.tools import bench_refs
 
         warnings.simplefilter("ignore")
         self.load = bench_refs.readers(Path(files[0]), Path(files[1]))[reader]

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xarray_gds import bench
 from xarray_gds.device import cuda_status
+from xarray_gds.tools import bench
 
 from .read import SIZE
 

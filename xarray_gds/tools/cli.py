@@ -1,12 +1,14 @@
-"""The ``xarray-gds`` command line tool: ``demo``, ``info`` and ``bench``.
+"""The ``xarray-gds`` command line tool: ``demo``, ``info``, ``bench`` and ``calibrate``.
 
 ``xarray-gds demo`` writes a synthetic weather-like Zarr store, reads it back with
 ``engine="gds-zarr"`` and ``engine="zarr"``, and shows where each variable landed and
-that both engines agree. ``xarray-gds info PATH`` lists the arrays of a store with their
-chunking, codec chain, where each codec decodes and where the engine places the data,
-for reads on the device this machine would use (``--device`` picks another).
+that both engines agree (:mod:`xarray_gds.tools.demo`). ``xarray-gds info PATH`` lists
+the arrays of a store with their chunking, codec chain, where each codec decodes and
+where the engine places the data, for reads on the device this machine would use
+(``--device`` picks another).
 ``xarray-gds bench`` times open + load against ``engine="zarr"`` (see
-:mod:`xarray_gds.bench`).
+:mod:`xarray_gds.tools.bench`); ``xarray-gds calibrate`` measures the cost model's
+constants (:mod:`xarray_gds.tools.calibrate`).
 
 Like the rest of the package, importing this module loads no CUDA library.
 """
@@ -16,18 +18,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import sys
-import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numcodecs
 import numpy as np
-import pandas as pd
 import xarray as xr
 import zarr
 import zarr.codecs
@@ -40,10 +37,12 @@ from xarray_gds import device as _device
 from xarray_gds import remote
 from xarray_gds.backend import open_store, placement
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
+from xarray_gds.tools import _text
+from xarray_gds.tools import demo as demo_cmd
+from xarray_gds.tools._text import PROG
 
-__all__ = ["HOST_DECODE", "codec_name", "decode_path", "demo_encoding", "main", "make_demo_dataset"]
+__all__ = ["HOST_DECODE", "codec_name", "decode_path", "main"]
 
-PROG = "xarray-gds"
 _EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell reports for `yes | head`
 
 # --------------------------------------------------------------------------------------
@@ -82,348 +81,6 @@ def decode_path(codec: Any, plan: Any = None, device: _device.Device = "cuda") -
     if device == "cpu":
         return HOST_BATCHED
     return GPU_DECODE if plan.device_ready else HOST_DECODE
-
-
-# --------------------------------------------------------------------------------------
-# Small formatting helpers
-# --------------------------------------------------------------------------------------
-
-
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "  ") -> str:
-    """Left-aligned plain-text table."""
-    rows = [list(map(str, row)) for row in rows]
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        return (indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def _shape(shape: Iterable[Any]) -> str:
-    """``(48, 73, 144)``; ``(73,)`` for one dimension, like a tuple."""
-    return str(tuple(int(n) for n in shape))
-
-
-def _dims(dims: Iterable[Any]) -> str:
-    """``(time, lat, lon)``, as xarray prints dimensions."""
-    return "(" + ", ".join(str(d) for d in dims) + ")"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _nbytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _error(command: str, message: object) -> None:
-    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
-
-
-# --------------------------------------------------------------------------------------
-# demo
-# --------------------------------------------------------------------------------------
-
-#: (time, lat, lon) sizes: hourly steps on a regular global grid.
-DEMO_SIZES: dict[str, tuple[int, int, int]] = {
-    "small": (48, 73, 144),  # 2 days on a 2.5 degree grid, about 12 MiB decoded
-    "medium": (240, 181, 360),  # 10 days on a 1 degree grid, about 360 MiB decoded
-}
-_TIME_CHUNK = 12
-
-
-def make_demo_dataset(size: str = "small", seed: int = 0) -> xr.Dataset:
-    """A synthetic, weather-like dataset made with numpy (nothing is downloaded).
-
-    Variables on ``(time, lat, lon)``: ``t2m`` (K, a pole-to-equator gradient, colder
-    land, a diurnal cycle that follows local solar time, and noise), ``precip`` (mostly
-    zeros with skewed showers), ``u10``/``v10`` (m s-1; written packed as int16 with
-    ``scale_factor``, ``add_offset`` and ``_FillValue``, with a few missing values);
-    and a 2-D ``land_mask`` (uint8 flags). ``time`` is hourly datetime64 and is
-    CF-encoded as integer hours; ``lat``/``lon`` are float coordinates.
-
-    Parameters
-    ----------
-    size : {"small", "medium"}
-        See :data:`DEMO_SIZES`.
-    seed : int
-        Seed of the random parts, so that the data are reproducible.
-    """
-    try:
-        nt, ny, nx = DEMO_SIZES[size]
-    except KeyError:
-        raise ValueError(f"size must be one of {sorted(DEMO_SIZES)}, got {size!r}") from None
-    rng = np.random.default_rng(seed)
-    times = pd.date_range("2024-01-01", periods=nt, freq="h")
-    lat = np.linspace(90.0, -90.0, ny)
-    lon = np.arange(nx) * (360.0 / nx)
-    phi = np.deg2rad(lat)[None, :, None]
-    lam = np.deg2rad(lon)[None, None, :]
-    hours = np.arange(nt, dtype="f8")[:, None, None]
-
-    # Continents: where a smooth pattern of low wavenumbers is high.
-    relief = np.sin(2 * lam + 0.5) * np.cos(3 * phi) + 0.5 * np.sin(5 * lam) * np.sin(2 * phi)
-    land = relief[0] > 0.35
-
-    # 2 m temperature: warmer at the equator, colder land, a diurnal cycle peaking
-    # at 14h local solar time (stronger over land), and weather noise.
-    local_hour = hours + np.rad2deg(lam) / 15.0
-    diurnal = np.cos(2 * np.pi * (local_hour - 14.0) / 24.0) * np.cos(phi)
-    t2m = (
-        300.0
-        - 45.0 * np.sin(phi) ** 2
-        - 8.0 * land
-        + np.where(land, 6.0, 1.5) * diurnal
-        + rng.normal(0.0, 0.6, (nt, ny, nx))
-    ).astype("f4")
-
-    # Winds: tropical easterlies, mid-latitude westerlies, polar easterlies, plus an
-    # eastward-travelling wave and noise.
-    wave = np.sin(4 * lam - 2 * np.pi * hours / 36.0) * np.cos(phi)
-    u10 = -6.0 * np.cos(6 * phi) + 2.0 * wave + rng.normal(0.0, 1.5, (nt, ny, nx))
-    v10 = 4.0 * np.cos(4 * lam - 2 * np.pi * hours / 36.0) * np.cos(phi) * np.sin(2 * phi)
-    v10 = v10 + rng.normal(0.0, 1.5, (nt, ny, nx))
-    u10, v10 = u10.astype("f4"), v10.astype("f4")
-    # A few missing values (a "failed sensor"), so that _FillValue masking matters.
-    for wind in (u10, v10):
-        wind.flat[rng.choice(wind.size, size=max(1, wind.size // 2000), replace=False)] = np.nan
-
-    # Precipitation: zero where the atmosphere is dry, skewed amounts where it rains.
-    moist = np.sin(3 * lam - 2 * np.pi * hours / 30.0) * np.cos(2 * phi) + rng.normal(
-        0.0, 0.5, (nt, ny, nx)
-    )
-    precip = np.where(moist > 0.8, rng.gamma(0.6, 1.2, (nt, ny, nx)), 0.0).astype("f4")
-
-    def cf(units: str, long_name: str, standard_name: str) -> dict[str, str]:
-        return {"units": units, "long_name": long_name, "standard_name": standard_name}
-
-    dims = ("time", "lat", "lon")
-    return xr.Dataset(
-        {
-            "t2m": (dims, t2m, cf("K", "2 metre temperature", "air_temperature")),
-            "precip": (
-                dims,
-                precip,
-                cf("mm", "Total precipitation (hourly)", "lwe_thickness_of_precipitation_amount"),
-            ),
-            "u10": (dims, u10, cf("m s-1", "10 metre U wind component", "eastward_wind")),
-            "v10": (dims, v10, cf("m s-1", "10 metre V wind component", "northward_wind")),
-            "land_mask": (
-                ("lat", "lon"),
-                land.astype("u1"),
-                {
-                    "long_name": "Land-sea mask",
-                    "standard_name": "land_binary_mask",
-                    "units": "1",
-                    "flag_values": np.array([0, 1], dtype="u1"),
-                    "flag_meanings": "sea land",
-                },
-            ),
-        },
-        coords={
-            "time": ("time", times, {"long_name": "time", "standard_name": "time"}),
-            "lat": ("lat", lat, cf("degrees_north", "latitude", "latitude")),
-            "lon": ("lon", lon, cf("degrees_east", "longitude", "longitude")),
-        },
-        attrs={
-            "title": f"xarray-gds demo: synthetic hourly surface weather ({size})",
-            "Conventions": "CF-1.10",
-            "source": "synthetic data made with numpy by `xarray-gds demo`",
-        },
-    )
-
-
-def demo_encoding(ds: xr.Dataset, zarr_format: int) -> dict[str, dict[str, Any]]:
-    """Encoding for :meth:`xarray.Dataset.to_zarr`: zstd, 12-hour chunks, packed winds.
-
-    Every variable is zstd-compressed; data variables are chunked by 12 time steps
-    and whole in space; index coordinates are one chunk each.
-
-    Zarr v3 uses :class:`zarr.codecs.ZstdCodec`, Zarr v2 :class:`numcodecs.Zstd`.
-    """
-    if zarr_format not in (2, 3):
-        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
-    compressor: Any = zarr.codecs.ZstdCodec(level=3) if zarr_format == 3 else numcodecs.Zstd(3)
-    encoding: dict[str, dict[str, Any]] = {
-        "time": {"units": "hours since 2024-01-01 00:00:00", "dtype": "int32"},
-    }
-    for name, var in ds.variables.items():
-        chunks = tuple(min(_TIME_CHUNK, n) if d == "time" else n for d, n in var.sizes.items())
-        if var.dims == (name,):  # coordinates: one chunk
-            chunks = var.shape
-        encoding.setdefault(str(name), {}).update(chunks=chunks, compressors=[compressor])
-    for name in ("u10", "v10"):
-        encoding[name].update(
-            dtype="int16", scale_factor=0.01, add_offset=0.0, _FillValue=np.int16(-32767)
-        )
-    return encoding
-
-
-def _write_demo(ds: xr.Dataset, path: Path, zarr_format: int) -> None:
-    with warnings.catch_warnings():
-        # zarr-python notes that consolidated metadata is not (yet) part of the v3
-        # spec; xarray and zarr-python read it, and it saves a listing on open.
-        warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
-        ds.to_zarr(
-            path,
-            mode="w",
-            zarr_format=zarr_format,
-            encoding=demo_encoding(ds, zarr_format),
-            consolidated=True,
-        )
-
-
-def _synchronize_if_device(ds: xr.Dataset) -> None:
-    if any(_device.is_device_array(v.data) for v in ds.variables.values()):
-        _device.cupy().cuda.runtime.deviceSynchronize()
-
-
-def _timed_load(path: Path, engine: str, **kwargs: Any) -> tuple[xr.Dataset, float]:
-    """Open and load ``path`` with ``engine``; wall time includes finishing GPU work."""
-    start = time.perf_counter()
-    with xr.open_dataset(path, engine=engine, **kwargs) as ds:
-        loaded = ds.load()
-    _synchronize_if_device(loaded)
-    return loaded, time.perf_counter() - start
-
-
-def _placed(data: Any) -> str:
-    return "GPU (cupy)" if _device.is_device_array(data) else "host (numpy)"
-
-
-def _gpu_name() -> str:
-    try:
-        cp = _device.cupy()
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
-        name = props["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # the name is decoration only
-        return "CUDA device"
-
-
-def _store_size(path: Path) -> tuple[int, int]:
-    files = [p for p in path.rglob("*") if p.is_file()]
-    return len(files), sum(p.stat().st_size for p in files)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    gpu_ok, gpu_reason = _device.cuda_status()
-    if args.device == "cuda" and not gpu_ok:
-        _error("demo", f"--device cuda was asked for but {gpu_reason}. Try --device auto or cpu.")
-        return 1
-    # The CLI resolves --device auto itself, so that its users read about --device cpu
-    # rather than the engine's own warning about device='cpu'.
-    engine_device: _device.Device = "cuda" if gpu_ok and args.device != "cpu" else "cpu"
-    if args.device == "auto" and not gpu_ok:
-        print(
-            f"{PROG} demo: warning: no usable GPU ({gpu_reason}); reading on the host with "
-            "numpy instead. Pass --device cpu to silence this warning.",
-            file=sys.stderr,
-        )
-    nt, ny, nx = DEMO_SIZES[args.size]
-    print(
-        f"{PROG} demo: synthetic hourly weather, {nt} x {ny} x {nx} (time x lat x lon), "
-        f"Zarr v{args.zarr_format}, zstd, chunks of {_TIME_CHUNK} hours"
-    )
-    if args.dir is None:
-        tmp = tempfile.mkdtemp(prefix="xarray-gds-demo-")
-        parent = Path(tmp)
-    else:
-        tmp = None
-        parent = Path(args.dir).expanduser()
-        parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path = parent / f"weather-{args.size}-v{args.zarr_format}.zarr"
-        _write_demo(make_demo_dataset(args.size), path, args.zarr_format)
-        nfiles, nbytes = _store_size(path)
-        print(f"store:      {path}  ({nfiles} files, {_nbytes(nbytes)} on disk)")
-
-        if gpu_ok and engine_device != "cpu":
-            # Create the CUDA context before the clock starts: it is a one-off cost.
-            _device.cupy().cuda.runtime.deviceSynchronize()
-        try:
-            gds, gds_s = _timed_load(path, "gds-zarr", device=engine_device)
-        except _device.NoCudaDeviceError as err:
-            _error("demo", f"{err} Run with --device cpu or --device auto.")
-            return 1
-        ref, ref_s = _timed_load(path, "zarr")
-
-        if any(_device.is_device_array(v.data) for v in gds.variables.values()):
-            used = f"cuda ({_gpu_name()})"
-        elif args.device == "cpu":
-            used = "cpu (host, numpy: --device cpu)"
-        else:
-            used = f"cpu (host, numpy: no usable GPU: {gpu_reason.split('; ')[0]})"
-        print(f"device:     {used}")
-        print(f"decoded:    {_nbytes(ref.nbytes)}")
-        print()
-        rows = [
-            (
-                str(name),
-                "coord" if name in gds.coords else "data",
-                _dims(var.dims),
-                _shape(var.shape),
-                str(var.dtype),
-                _placed(var.data),
-            )
-            for name, var in gds.variables.items()
-        ]
-        print(_table(("variable", "kind", "dims", "shape", "dtype", "placement"), rows))
-        print()
-        times = [
-            ("gds-zarr", f"{gds_s:.3f}", f"read on {engine_device}"),
-            ("zarr", f"{ref_s:.3f}", "xarray's engine, numpy"),
-        ]
-        print(_table(("engine", "open + load [s]", "notes"), times))
-        print(
-            "  (one cold run each, on a small store: not a benchmark. "
-            f"`{PROG} bench` times repeated runs on stores of GBs.)"
-        )
-        print()
-        try:
-            xr.testing.assert_identical(gds.as_numpy(), ref)
-        except AssertionError as err:
-            print("identical: NO")
-            _error("demo", f"engine='gds-zarr' and engine='zarr' disagree:\n{err}")
-            return 1
-        print("identical: yes")
-        return _demo_write(gds, ref, parent, args.zarr_format)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _demo_write(gds: xr.Dataset, ref: xr.Dataset, parent: Path, zarr_format: int) -> int:
-    """Write the loaded dataset back with ``xarray_gds.to_zarr`` (encoded on the GPU
-    when its values are there) and compare with xarray's own write of the same data."""
-    from xarray_gds.write import to_zarr
-
-    ours, theirs = parent / "written-by-gds.zarr", parent / "written-by-xarray.zarr"
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # host-encoded arrays say so
-        to_zarr(gds, ours, mode="w", zarr_format=zarr_format, consolidated=False)
-    seconds = time.perf_counter() - start
-    ref.to_zarr(theirs, mode="w", zarr_format=zarr_format, consolidated=False)
-    got = xr.open_dataset(ours, engine="zarr", consolidated=False).load()
-    want = xr.open_dataset(theirs, engine="zarr", consolidated=False).load()
-    print(f"written:    {ours} by xarray_gds.to_zarr in {seconds:.3f} s (one run)")
-    try:
-        xr.testing.assert_identical(got, want)
-    except AssertionError as err:
-        print("write round trip identical: NO")
-        _error("demo", f"xarray_gds.to_zarr and Dataset.to_zarr wrote different data:\n{err}")
-        return 1
-    print("write round trip identical: yes")
-    return 0
 
 
 # --------------------------------------------------------------------------------------
@@ -609,13 +266,13 @@ def _describe_array(array: Any, device: _device.Device) -> str:
     path = "/" + array.path if array.path else "/"
     dims = _dimension_names(array)
     fields = [
-        ("shape", _shape(array.shape)),
+        ("shape", _text.shape(array.shape)),
         ("dtype", str(array.dtype)),
-        ("dims", _dims(dims) if dims is not None else "(none recorded)"),
-        ("chunks", _shape(array.chunks)),
+        ("dims", _text.dims(dims) if dims is not None else "(none recorded)"),
+        ("chunks", _text.shape(array.chunks)),
     ]
     if array.shards is not None:
-        fields.append(("shards", _shape(array.shards)))
+        fields.append(("shards", _text.shape(array.shards)))
     if array.metadata.zarr_format == 2 and array.metadata.order == "F":
         fields.append(("order", "F (column-major chunks)"))
     fields.append(("fill_value", str(array.fill_value)))
@@ -630,7 +287,7 @@ def _describe_array(array: Any, device: _device.Device) -> str:
     rows = _codec_rows(array, device)
     if rows:
         lines.append(f"  {'codecs'.ljust(width)}  (in encoding order; decoding runs bottom-up)")
-        lines.append(_table(("role", "codec", "decodes on"), rows, indent="    "))
+        lines.append(_text.table(("role", "codec", "decodes on"), rows, indent="    "))
     else:
         lines.append(f"  {'codecs'.ljust(width)}  (none)")
     return "\n".join(lines)
@@ -655,7 +312,7 @@ def _info_device(asked: str) -> tuple[_device.Device, str]:
     if asked == "cuda":
         return "cuda", "cuda (--device cuda)" + ("" if ok else f"; no usable GPU here: {reason}")
     if ok:
-        return "cuda", f"cuda ({_gpu_name()})"
+        return "cuda", f"cuda ({_text.gpu_name()})"
     return "cpu", f"cpu (no usable GPU: {reason}); --device cuda shows a GPU run's routes"
 
 
@@ -699,11 +356,11 @@ def _run_info(args: argparse.Namespace) -> int:
     try:
         options = _storage_options(args.storage_option or ())
     except ValueError as err:
-        _error("info", err)
+        _text.error("info", err)
         return 2
 
     def fail(message: object) -> None:  # no credential of the URL or options in it
-        _error("info", remote.redact(str(message), options, str(args.path)))
+        _text.error("info", remote.redact(str(message), options, str(args.path)))
 
     try:
         store = open_store(args.path, storage_options=options or None)
@@ -731,7 +388,7 @@ def _run_info(args: argparse.Namespace) -> int:
             key=lambda a: a.path,
         )
         ngroups = 1 + sum(isinstance(n, zarr.Group) for _, n in node.members(max_depth=None))
-        kind = f"group: {_plural(len(arrays), 'array')} in {_plural(ngroups, 'group')}"
+        kind = f"group: {_text.plural(len(arrays), 'array')} in {_text.plural(ngroups, 'group')}"
     else:
         arrays = [node]
         kind = "array"
@@ -755,12 +412,12 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from xarray_gds import bench
+    from xarray_gds.tools import bench
 
     cases = args.case or None
     unknown = sorted(set(cases or ()) - set(bench.CASES))
     if unknown:
-        _error("bench", f"unknown case(s) {unknown}; choose from {sorted(bench.CASES)}")
+        _text.error("bench", f"unknown case(s) {unknown}; choose from {sorted(bench.CASES)}")
         return 2
     ok, reason = _device.cuda_status()
     if not ok:
@@ -817,8 +474,8 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="where gds-zarr places numeric data; auto uses a GPU when one is usable",
     )
-    demo.add_argument("--size", choices=tuple(DEMO_SIZES), default="small")
-    demo.set_defaults(run=_run_demo)
+    demo.add_argument("--size", choices=tuple(demo_cmd.DEMO_SIZES), default="small")
+    demo.set_defaults(run=demo_cmd.run)
 
     info = commands.add_parser(
         "info",
@@ -888,7 +545,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if not ok:
         print(f"{PROG} calibrate: needs a GPU ({why})", file=sys.stderr)
         return 1
-    from xarray_gds.calibrate import calibrate
+    from xarray_gds.tools.calibrate import calibrate
 
     print(calibrate().to_json())
     return 0

@@ -26,8 +26,8 @@ import xarray as xr
 import zarr
 import zarr.codecs as zc
 
-from xarray_gds import bench_cluster, bench_refs
 from xarray_gds import device as _device
+from xarray_gds.tools import bench_cluster, bench_refs, s3_server
 
 __all__ = ["CASES", "Result", "make_store", "run"]
 
@@ -154,7 +154,7 @@ def raw_limit(path: Path) -> None:
     """kvikio reads of every chunk of every variable of a bench store (``t``, ``v1``,
     ...) into one arena, then one nvCOMP batch call (the variables share a chain)."""
     from xarray_gds.codecs import nvcomp, plan_chain
-    from xarray_gds.store import read_files_device
+    from xarray_gds.io.local import read_files_device
 
     names = sorted(p.name for p in path.iterdir() if p.is_dir())
     chain = plan_chain(zarr.open_array(path / names[0], mode="r").metadata)
@@ -495,79 +495,13 @@ def run(
     return results
 
 
-#: the loopback S3 server of the ``remote-*`` cases (started once, stopped at exit)
-_S3: dict[str, Any] = {}
-
-
-def _loopback_s3() -> dict[str, Any]:
-    """storage_options of a moto S3 server on 127.0.0.1 (a free port), started once in
-    a process of its own (``python -m moto.server``), as a real server is: in this
-    process its request handling (about 100 ``stat`` calls a request, looking up its
-    backends) would take the GIL from the client being measured."""
-    if not _S3:
-        import atexit
-        import socket
-        import subprocess
-        import sys
-        import time
-
-        import boto3
-        import botocore.exceptions
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        atexit.register(_stop, server)
-        endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
-            region_name="us-east-1",
-        )
-        for _ in range(300):  # up to 30 s for the server to answer
-            if server.poll() is not None:
-                raise RuntimeError(f"the moto server exited with {server.returncode}")
-            try:
-                client.create_bucket(Bucket="bench")
-                break
-            except botocore.exceptions.EndpointConnectionError:  # not listening yet
-                time.sleep(0.1)
-        else:
-            _stop(server)
-            raise RuntimeError(f"the moto server on {endpoint} did not answer in 30 s")
-        _S3.update(
-            key="bench",
-            secret="bench",
-            endpoint_url=endpoint,
-            client_kwargs={"region_name": "us-east-1"},
-        )
-    return _S3
-
-
-def _stop(server: Any) -> None:
-    import subprocess
-
-    server.terminate()
-    try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-
-
 def _remote_contenders(path: Path) -> dict[str, Callable[[], Any]]:
     """The case's store uploaded to the loopback S3 server; open + load of ``t`` over
     the same URL: gds-zarr, and engine="zarr" (s3fs; obstore too when installed)
     followed by cupy.asarray."""
     import s3fs
 
-    options = _loopback_s3()
+    options = s3_server.loopback_s3()
     fs = s3fs.S3FileSystem(**options)
     key = f"bench/{path.name}"
     fs.put(str(path), key, recursive=True)
@@ -664,7 +598,7 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
     # one reduction over many stores on a dask cluster of 1, 2, 4 and 8 GPUs (those the
-    # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.bench_cluster)
+    # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.tools.bench_cluster)
     "multi-gpu-mfdataset": {
         "gpu": False,  # on the host: a smoke test of the case
         "named_only": True,  # clusters of every GPU count: run only with --case

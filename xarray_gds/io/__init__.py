@@ -1,0 +1,2 @@
+"""Byte I/O under the stores and the read engine: :mod:`.local` reads and writes local
+files."""
