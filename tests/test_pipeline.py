@@ -457,7 +457,7 @@ def test_damaged_inner_chunk_is_named(tmp_path: Path, store_factory: Callable, d
 
 def test_batch_budget_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("XARRAY_GDS_BATCH_BYTES", raising=False)
-    assert pipeline.batch_bytes(on_device=True) == 4 << 30
-    assert pipeline.batch_bytes(on_device=False) == 1 << 30
+    assert decode.batch_bytes(on_device=True) == 4 << 30
+    assert decode.batch_bytes(on_device=False) == 1 << 30
     monkeypatch.setenv("XARRAY_GDS_BATCH_BYTES", "12345")
-    assert pipeline.batch_bytes(on_device=False) == 12345
+    assert decode.batch_bytes(on_device=False) == 12345
