@@ -158,12 +158,12 @@ def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> b
     open that follows raises what engine="zarr" raises)."""
     where: dict[str, Any] = {"path": group or "", "zarr_format": zarr_format}
     try:
-        zarr.open_consolidated(store, mode="r", **where)  # type: ignore[arg-type]
+        zarr.open_consolidated(store, mode="r", **where)
         return True
     except Exception:  # no consolidated metadata (ValueError), or no group: see below
         pass
     try:
-        zarr.open_group(store, mode="r", use_consolidated=False, **where)  # type: ignore[arg-type]
+        zarr.open_group(store, mode="r", use_consolidated=False, **where)
     except Exception:
         return None
     warn(
