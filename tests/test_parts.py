@@ -32,7 +32,7 @@ def part_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[list[str]]]:
     real = coalesce.fetch_decode_parts
 
     def spy(items: list[Any], consume: Any) -> None:
-        reads.append([list(item[2]) for item in items])
+        reads.append([list(request.keys) for request in items])
         real(items, consume)
 
     monkeypatch.setattr(coalesce, "fetch_decode_parts", spy)

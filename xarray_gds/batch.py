@@ -26,6 +26,8 @@ from xarray_gds import config
 __all__ = [
     "ALIGN",
     "DeviceBatch",
+    "Fetched",
+    "HostBatch",
     "PinnedStaging",
     "pack",
     "pack_offsets",
@@ -52,6 +54,15 @@ class DeviceBatch:
     arena: Any
     offsets: np.ndarray
     sizes: np.ndarray
+
+
+class HostBatch(list[np.ndarray | None]):
+    """Chunk bytes read into host memory: one uint8 array a location, ``None`` where
+    the chunk is missing."""
+
+
+#: What a source's read gives the engine: device memory or host memory
+Fetched = DeviceBatch | HostBatch
 
 
 def pack_offsets(sizes: np.ndarray, align: int = ALIGN) -> tuple[np.ndarray, int]:

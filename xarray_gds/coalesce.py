@@ -35,7 +35,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from xarray_gds import config, decode, route, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, parallel
 from xarray_gds.codecs import DecodeChain
-from xarray_gds.io.local import read_file, read_files_device, read_files_host
+from xarray_gds.request import Decoded, ReadRequest
 
 __all__ = [
     "STREAMED",
@@ -68,7 +68,8 @@ class _Request:
     paths: list[Any]
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
-    source: Any = None  #: where ``paths`` are read from (None: local files)
+    #: where ``paths`` are read from (by default: paths of local files)
+    source: sources.Source = field(default_factory=lambda: sources.LocalSource(None))
     #: byte ranges (``starts, sizes``) of ``paths`` to read (shards' inner chunks);
     #: None reads each location whole
     ranges: tuple[np.ndarray, np.ndarray] | None = None
@@ -81,7 +82,7 @@ class _Request:
     #: thread, where the group is streamed (:func:`_serve_streamed`); the result then
     #: holds :data:`STREAMED` in place of the chunks
     sink: Callable[[int, Any], None] | None = None
-    result: tuple[list[int], Any] | None = None
+    result: Decoded | None = None
     error: BaseException | None = None
 
     @property
@@ -132,34 +133,27 @@ class ReadEngine:
                 )
             return self._threads.submit(fn, *args)
 
-    def fetch_decode(
-        self,
-        store: Any,
-        chain: DecodeChain,
-        keys: Sequence[str],
-        on_device: bool,
-        ranges: Ranges | None = None,
-    ) -> tuple[list[int], Any]:
+    def fetch_decode(self, request: ReadRequest) -> Decoded:
         """See the module's :func:`fetch_decode`."""
         config.validate()
-        request = _request(store, chain, keys, on_device, ranges)
+        state = _request(request)
         with self.cond:
-            self.waiting.append(request)
+            self.waiting.append(state)
         try:
-            while not request.done:
-                self._lead_or_wait(request)
+            while not state.done:
+                self._lead_or_wait(state)
         except BaseException:
-            self._withdraw([request])
+            self._withdraw([state])
             raise
-        if request.error is not None:
-            raise request.error
-        assert request.result is not None
-        return request.result
+        if state.error is not None:
+            raise state.error
+        assert state.result is not None
+        return state.result
 
-    def fetch_decode_many(self, items: list[Item]) -> list[tuple[list[int], Any] | BaseException]:
+    def fetch_decode_many(self, asked: list[ReadRequest]) -> list[Decoded | BaseException]:
         """See the module's :func:`fetch_decode_many`."""
         config.validate()
-        requests = [_request(*item) for item in items]
+        requests = [_request(r) for r in asked]
         with self.cond:
             self.waiting.extend(requests)
         try:
@@ -169,7 +163,7 @@ class ReadEngine:
         except BaseException:
             self._withdraw(requests)
             raise
-        out: list[tuple[list[int], Any] | BaseException] = []
+        out: list[Decoded | BaseException] = []
         for request in requests:
             if request.error is not None:
                 out.append(request.error)
@@ -180,15 +174,15 @@ class ReadEngine:
 
     def fetch_decode_parts(
         self,
-        items: list[Item],
-        consume: Callable[[int, tuple[list[int], Any]], None],
+        parts: list[ReadRequest],
+        consume: Callable[[int, Decoded], None],
     ) -> None:
         """See the module's :func:`fetch_decode_parts`."""
         config.validate()
-        if len(items) == 1:
-            consume(0, self.fetch_decode(*items[0]))
+        if len(parts) == 1:
+            consume(0, self.fetch_decode(parts[0]))
             return
-        requests = [_request(*item) for item in items]
+        requests = [_request(r) for r in parts]
         series = object()
         for before, request in zip([None, *requests], requests, strict=False):
             request.series, request.after = series, before
@@ -368,79 +362,64 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_engine_after_fork)
 
 
-def _request(
-    store: Any,
-    chain: DecodeChain,
-    keys: Sequence[str],
-    on_device: bool,
-    ranges: Ranges | None = None,
-    sink: Callable[[int, Any], None] | None = None,
-) -> _Request:
-    source = sources.source_for(store)
-    gpu = _device.cupy().cuda.Device().id if on_device else -1
+def _request(asked: ReadRequest) -> _Request:
+    """The engine's state of a request: its chunks located by the store's source."""
+    source = sources.source_for(asked.store)
+    gpu = _device.cupy().cuda.Device().id if asked.on_device else -1
+    ranges = asked.ranges
     if ranges is None:
-        return _Request(chain, keys, source.locate(list(keys)), on_device, gpu, source, sink=sink)
-    held, which, starts, sizes = ranges
-    located = source.locate(held)
-    paths = [located[i] for i in which.tolist()]
-    return _Request(chain, keys, paths, on_device, gpu, source, (starts, sizes), sink=sink)
+        paths = source.locate(list(asked.keys))
+        return _Request(
+            asked.chain, asked.keys, paths, asked.on_device, gpu, source, sink=asked.sink
+        )
+    located = source.locate(list(ranges.held))
+    paths = [located[i] for i in ranges.which.tolist()]
+    return _Request(
+        asked.chain,
+        asked.keys,
+        paths,
+        asked.on_device,
+        gpu,
+        source,
+        (ranges.starts, ranges.sizes),
+        sink=asked.sink,
+    )
 
-
-#: Byte ranges a request reads instead of whole chunks: the keys that hold them, which
-#: of those holds each range, and each range's start and size (see ``_request``).
-Ranges = tuple[list[str], np.ndarray, np.ndarray, np.ndarray]
-
-#: What the engine is asked to read: ``(store, chain, keys, on_device)``, and
-#: optionally the byte ranges the keys' chunks are read from (:data:`Ranges`) and a
-#: sink for the decoded chunks (see :func:`_serve_streamed`).
-Item = tuple[Any, ...]
 
 #: The chunks of a result whose chunks went to its request's sink.
 STREAMED: Any = object()
 
 
-def fetch_decode(
-    store: Any,
-    chain: DecodeChain,
-    keys: Sequence[str],
-    on_device: bool,
-    ranges: Ranges | None = None,
-) -> tuple[list[int], Any]:
-    """Read and decode the chunks ``keys`` of ``store``, together with the requests
-    other threads make meanwhile.
+def fetch_decode(request: ReadRequest) -> Decoded:
+    """Read and decode the chunks of ``request``, together with the requests other
+    threads make meanwhile.
 
-    Returns what :func:`xarray_gds.decode.decode_fetched` returns for
-    ``store.read_chunks(keys)``: the indices of the keys whose chunk exists and their
-    decoded values, and raises what reading and decoding these chunks alone raises.
-    With ``ranges``, the chunks are byte ranges of other keys (see :data:`Ranges`).
+    Returns the indices of the request's keys whose chunk exists and their decoded
+    values (see :data:`~xarray_gds.request.Decoded`), and raises what reading and
+    decoding these chunks alone raises.
     """
-    return _engine.fetch_decode(store, chain, keys, on_device, ranges)
+    return _engine.fetch_decode(request)
 
 
-def fetch_decode_many(
-    items: list[Item],
-) -> list[tuple[list[int], Any] | BaseException]:
-    """:func:`fetch_decode` of every ``(store, chain, keys, on_device)`` at once: all of
-    them wait together, so the thread that serves them reads and decodes them in as few
-    groups as the batch budget allows. Each entry of the result is what
-    :func:`fetch_decode` returns for that item, or the exception it raises."""
-    return _engine.fetch_decode_many(items)
+def fetch_decode_many(requests: list[ReadRequest]) -> list[Decoded | BaseException]:
+    """:func:`fetch_decode` of every request at once: all of them wait together, so the
+    thread that serves them reads and decodes them in as few groups as the batch budget
+    allows. Each entry of the result is what :func:`fetch_decode` returns for that
+    request, or the exception it raises."""
+    return _engine.fetch_decode_many(requests)
 
 
-def fetch_decode_parts(
-    items: list[Item],
-    consume: Callable[[int, tuple[list[int], Any]], None],
-) -> None:
-    """:func:`fetch_decode` of every part ``(store, chain, keys, on_device)`` of a read
-    too large for one batch, handing each part's result to ``consume(k, result)`` in the
-    calling thread, in order. A helper thread serves part ``k + 1`` (its read, joined
-    with what other threads ask for) while part ``k`` decodes and is consumed; at most
-    two parts' results are alive at once. Raises the first part's error."""
-    _engine.fetch_decode_parts(items, consume)
+def fetch_decode_parts(parts: list[ReadRequest], consume: Callable[[int, Decoded], None]) -> None:
+    """:func:`fetch_decode` of every part of a read too large for one batch, handing
+    each part's result to ``consume(k, result)`` in the calling thread, in order. A
+    helper thread serves part ``k + 1`` (its read, joined with what other threads ask
+    for) while part ``k`` decodes and is consumed; at most two parts' results are alive
+    at once. Raises the first part's error."""
+    _engine.fetch_decode_parts(parts, consume)
 
 
 #: what a consumed part's request keeps (its chunks are released)
-_CONSUMED: tuple[list[int], Any] = ([], None)
+_CONSUMED: Decoded = ([], None)
 
 
 #: Decoded chunk size from which host reads with a sink are streamed.
@@ -454,7 +433,7 @@ def _streamable(group: list[_Request]) -> bool:
         r.sink is not None
         and not r.on_device
         and r.ranges is None
-        and (r.source is None or r.source.kind == "local")
+        and r.source.kind == "local"
         and r.chain.nbytes >= STREAM_CHUNK
         for r in group
     )
@@ -477,7 +456,7 @@ def _serve_streamed(group: list[_Request]) -> None:
         if errors[n] is not None:
             return
         try:
-            raw = read_file(r.paths[j])
+            raw = r.source.read_one(r.paths[j])
             if raw is None:  # a missing chunk: the fill value
                 return
             _, chunk = decode.decode_fetched(r.chain, [raw], decode.Picked(r.keys, [j]), False)
@@ -552,10 +531,7 @@ def _read_whole(group: list[_Request]) -> Any:
     on_device = group[0].decode_on_device
     counts = [len(r.paths) for r in group]
     slots = np.repeat([r.chain.stored_bound for r in group], counts) if on_device else None
-    if all(r.source is None or r.source.kind == "local" for r in group):
-        return read_files_device(paths, slots) if on_device else read_files_host(paths)
-    located = [r.source or sources.LocalSource(None) for r in group]
-    spread = [s for s, n in zip(located, counts, strict=True) for _ in range(n)]
+    spread = [r.source for r, n in zip(group, counts, strict=True) for _ in range(n)]
     return sources.read(spread, paths, on_device, slots)
 
 

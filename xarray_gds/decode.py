@@ -18,6 +18,7 @@ from xarray_gds import device as _device
 from xarray_gds.batch import PinnedStaging
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.request import Decoded
 
 __all__ = [
     "batch_bytes",
@@ -176,7 +177,7 @@ def _copy_stream() -> Any:
 
 def decode_staged(
     chain: DecodeChain, fetched: list[Any], keys: Sequence[str], staging: PinnedStaging
-) -> tuple[list[int], Any]:
+) -> Decoded:
     """:func:`decode_fetched` of host-fetched chunks for the device: the host codecs
     decode into a pinned buffer leased from ``staging`` (none is allocated per
     request once it has grown), each row is copied to the current device as soon as
@@ -217,7 +218,7 @@ def untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
 
 def decode_fetched(
     chain: DecodeChain, fetched: Any, keys: Sequence[str], on_device: bool
-) -> tuple[list[int], Any]:
+) -> Decoded:
     """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
     whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
     order; ``None`` when no chunk exists). ``fetched`` is what

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Any, Self
 import numpy as np
 import zarr
 from zarr.abc.codec import CodecPipeline, GetResult
-from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.array import create_codec_pipeline
 from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import cpu
@@ -32,7 +30,7 @@ from zarr.core.codec_pipeline import BatchedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import get_pipeline_class, register_pipeline
 
-from xarray_gds import coalesce, config, decode
+from xarray_gds import coalesce, config, decode, sources
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
 from xarray_gds.codecs.encode import (
@@ -44,6 +42,7 @@ from xarray_gds.codecs.encode import (
     plan_encode,
 )
 from xarray_gds.errors import ChunkDecodeError, HostRouteWarning, warn
+from xarray_gds.request import ByteRanges, Decoded, ReadRequest
 from xarray_gds.store import GdsStore
 
 __all__ = ["GdsCodecPipeline", "attach", "writing_to"]
@@ -290,13 +289,15 @@ class GdsCodecPipeline(CodecPipeline):
         # routed by cost, part k + 1 read while part k decodes
         parts = _split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
         store = batch[0][0].store
-        items = [(store, chain, [bg.path for bg, *_ in part], on_device) for part in parts]
+        requests = [
+            ReadRequest(store, chain, [bg.path for bg, *_ in part], on_device) for part in parts
+        ]
         results: list[GetResult] = []
 
-        def scatter(k: int, decoded: tuple[list[int], Any]) -> None:
+        def scatter(k: int, decoded: Decoded) -> None:
             results.extend(_scatter(parts[k], *decoded, out, drop_axes, on_device))
 
-        await _offload(coalesce.fetch_decode_parts, items, scatter)
+        await _offload(coalesce.fetch_decode_parts, requests, scatter)
         return tuple(results)
 
     async def _host_then_copy(
@@ -377,39 +378,15 @@ def _touched(sel: Any, size: int, chunk: int) -> np.ndarray:
 _Index = tuple[np.ndarray, int]
 
 
-def _read_local_index(path: str, nbytes: int, at_end: bool) -> tuple[bytes, int] | None:
-    """The index bytes of the shard file ``path`` and its size (one open, one ``fstat``),
-    or ``None`` when the file does not exist."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        start = max(0, size - nbytes) if at_end else 0
-        return os.pread(fd, nbytes, start), size
-    finally:
-        os.close(fd)
-
-
 async def _shard_index(chain: ShardChain, byte_getter: Any) -> _Index | None:
     """The (offset, nbytes) table of a shard, shaped like its inner chunk grid, and the
     size of the shard in bytes (what the table is checked against before any read)."""
     n = chain.index_nbytes
-    store, key = byte_getter.store, byte_getter.path
-    if isinstance(store, GdsStore):
-        found = await _offload(_read_local_index, str(store.resolve(key)), n, chain.index_at_end)
-        if found is None:
-            return None
-        raw = np.frombuffer(found[0], dtype=np.uint8)
-        shard_nbytes = found[1]
-    else:
-        request = SuffixByteRequest(n) if chain.index_at_end else RangeByteRequest(0, n)
-        buf = await byte_getter.get(prototype=cpu.buffer_prototype, byte_range=request)
-        if buf is None:
-            return None
-        raw = buf.as_numpy_array().view(np.uint8)
-        shard_nbytes = int(await store.getsize(key))
+    key = byte_getter.path
+    found = await sources.source_for(byte_getter.store).read_end(key, n, chain.index_at_end)
+    if found is None:
+        return None
+    raw, shard_nbytes = found
     if raw.size != n:
         raise ChunkDecodeError(
             key,
@@ -461,24 +438,24 @@ async def _read_shards(
     parts = _split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
     store = batch[0][0].store
     plans: list[tuple[list[_Index | None], _ShardPlan]] = []
-    items: list[Any] = []
+    requests: list[ReadRequest] = []
     at = 0
     for part in parts:
         found, at = indexes[at : at + len(part)], at + len(part)
         plan = _shard_plan(chain, part, found)
         plans.append((found, plan))
         held = [bg.path for bg, *_ in part]
-        ranges = (held, plan.shard, plan.starts, plan.sizes)
-        items.append((store, chain.inner, plan.keys, on_device, ranges))
+        ranges = ByteRanges(held, plan.shard, plan.starts, plan.sizes)
+        requests.append(ReadRequest(store, chain.inner, plan.keys, on_device, ranges))
     results: list[GetResult] = []
 
-    def assemble(k: int, decoded: tuple[list[int], Any]) -> None:
+    def assemble(k: int, decoded: Decoded) -> None:
         found, plan = plans[k]
         results.extend(
             _assemble_shards(chain, parts[k], found, plan, decoded, out, drop_axes, on_device)
         )
 
-    await _offload(coalesce.fetch_decode_parts, items, assemble)
+    await _offload(coalesce.fetch_decode_parts, requests, assemble)
     return tuple(results)
 
 
@@ -558,7 +535,7 @@ def _assemble_shards(
     part: list[Any],
     indexes: list[_Index | None],
     plan: _ShardPlan,
-    decoded: tuple[list[int], Any],
+    decoded: Decoded,
     out: Any,
     drop_axes: tuple[int, ...],
     on_device: bool,

@@ -21,6 +21,7 @@ import numpy as np
 from xarray_gds import coalesce, decode
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, host
+from xarray_gds.request import Decoded, ReadRequest, Sink
 
 __all__ = ["box_bounds", "is_box_key", "read_box", "read_boxes"]
 
@@ -118,11 +119,7 @@ def read_boxes(items: list[tuple[Any, tuple[Any, ...], _device.Device]]) -> list
     out: list[Any] = [None] * len(items)
     joined = [i for i, p in enumerate(plans) if p is not None and len(p.parts) == 1]
     fetched = coalesce.fetch_decode_many(
-        [
-            (p.store, p.chain, p.reader.keys(0, p.box.grid[0]), p.on_device, None, p.sink())
-            for p in (plans[i] for i in joined)
-            if p is not None
-        ]
+        [p.request(0, p.box.grid[0], p.sink()) for p in (plans[i] for i in joined) if p]
     )
     for i, got in zip(joined, fetched, strict=True):
         p = plans[i]
@@ -156,7 +153,7 @@ class _Planned:
     def result(self) -> Any:
         return self.out.squeeze(axis=self.box.drop) if self.box.drop else self.out
 
-    def sink(self) -> Any:
+    def sink(self) -> Sink | None:
         """For a host read in one part: a callable that places chunk ``k`` of the box
         into the output as soon as the engine has decoded it (the engine may stream
         such reads, :func:`xarray_gds.coalesce._serve_streamed`); None on the device."""
@@ -165,18 +162,19 @@ class _Planned:
         out, reader = self.out, self.reader
         return lambda k, chunk: reader.place_one(out, 0, k, chunk)
 
+    def request(self, r0: int, r1: int, sink: Sink | None = None) -> ReadRequest:
+        """The engine's request for the chunks of rows ``r0:r1`` of the box."""
+        keys = self.reader.keys(r0, r1)
+        return ReadRequest(self.store, self.chain, keys, self.on_device, sink=sink)
+
     def read_parts(self) -> Any:
         """Part by part (:func:`xarray_gds.coalesce.fetch_decode_parts`: part k + 1 read
         while part k decodes), each placed as it comes."""
-        reader = self.reader
-        items = [
-            (self.store, self.chain, reader.keys(r0, r1), self.on_device) for r0, r1 in self.parts
-        ]
 
-        def place(k: int, decoded: tuple[list[int], Any]) -> None:
-            reader.place(self.out, *self.parts[k], decoded)
+        def place(k: int, decoded: Decoded) -> None:
+            self.reader.place(self.out, *self.parts[k], decoded)
 
-        coalesce.fetch_decode_parts(items, place)
+        coalesce.fetch_decode_parts([self.request(r0, r1) for r0, r1 in self.parts], place)
         return self.result()
 
 
@@ -277,7 +275,7 @@ class _Reader:
         dst, src = self._where(r0, k)
         out[dst] = chunk[src]
 
-    def place(self, out: Any, r0: int, r1: int, decoded: tuple[list[int], Any]) -> None:
+    def place(self, out: Any, r0: int, r1: int, decoded: Decoded) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
         ``out``; ``decoded`` is what :func:`xarray_gds.decode.decode_fetched` returns for them."""
         chain, box, xp = self.chain, self.box, self.xp

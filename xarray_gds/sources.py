@@ -22,14 +22,15 @@ engine does not change.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
-from xarray_gds.batch import DeviceBatch
+from xarray_gds.batch import DeviceBatch, Fetched, HostBatch
 
 __all__ = [
     "LocalSource",
@@ -44,32 +45,70 @@ __all__ = [
 ]
 
 
-class Source(Protocol):
-    """Chunk bytes of one store."""
+class Source:
+    """Chunk bytes of one store: every read the engine makes goes through a source.
+
+    Sources move bytes and nothing else (no decoding). A read of many locations takes
+    the sources that hold them (``sources[i]`` holds ``locations[i]``), so that one call
+    reads the locations of several stores of the same ``kind`` together.
+    """
 
     #: sources with the same ``kind`` are read in one call of :meth:`read_all`
-    kind: str
+    kind: str = "store"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
 
     def locate(self, keys: list[str]) -> list[Any]:
         """What a read of each key needs (checked as the store checks keys)."""
-        ...
+        return list(keys)
 
     @staticmethod
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
-    ) -> Any:
-        """Every location (``sources[i]`` holds ``locations[i]``), read whole: a
-        DeviceBatch when ``on_device``, else a list of arrays (``None`` if missing)."""
-        ...
+    ) -> Fetched:
+        """Every location, read whole: a DeviceBatch when ``on_device`` (``slots``: the
+        bytes each may take in the arena), else a HostBatch (``None`` where missing)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def read_ranges_all(
+        sources: Sequence[Any],
+        locations: list[Any],
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        on_device: bool,
+    ) -> Fetched:
+        """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner
+        chunks): a DeviceBatch when ``on_device``, else a HostBatch."""
+        raise NotImplementedError
+
+    def read_one(self, location: Any) -> np.ndarray | None:
+        """One location, whole, on the host (``None`` where missing): the reads of
+        chunks streamed one by one (:func:`xarray_gds.coalesce._serve_streamed`)."""
+        found = self.read_all([self], [location], False, None)
+        assert isinstance(found, HostBatch)
+        return found[0]
+
+    async def read_end(self, key: str, nbytes: int, at_end: bool) -> tuple[np.ndarray, int] | None:
+        """The last (``at_end``) or first ``nbytes`` bytes of ``key`` (a shard's index)
+        as a uint8 array, and the size of the whole object; ``None`` where it is
+        missing. Through the store's own ``get`` and ``getsize``."""
+        from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+        from zarr.core.buffer import cpu
+
+        request = SuffixByteRequest(nbytes) if at_end else RangeByteRequest(0, nbytes)
+        buf = await self.store.get(key, prototype=cpu.buffer_prototype, byte_range=request)
+        if buf is None:
+            return None
+        raw = np.asarray(buf.as_numpy_array()).view(np.uint8)
+        return raw, int(await self.store.getsize(key))
 
 
-class LocalSource:
+class LocalSource(Source):
     """Files of a :class:`~xarray_gds.store.GdsStore`."""
 
     kind = "local"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
 
     def locate(self, keys: list[str]) -> list[Any]:
         return list(self.store.chunk_paths(keys))
@@ -77,11 +116,11 @@ class LocalSource:
     @staticmethod
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
-    ) -> Any:
+    ) -> Fetched:
         from xarray_gds.io.local import read_files_device, read_files_host
 
         if not on_device:
-            return read_files_host(locations)
+            return HostBatch(read_files_host(locations))
         return read_files_device(locations, slots)
 
     @staticmethod
@@ -91,31 +130,39 @@ class LocalSource:
         starts: np.ndarray,
         sizes: np.ndarray,
         on_device: bool,
-    ) -> Any:
+    ) -> Fetched:
         """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner chunks):
         a DeviceBatch when ``on_device``, else a list of arrays."""
         from xarray_gds.io.local import read_ranges_device, read_ranges_host
 
         if not on_device:
-            return read_ranges_host(locations, starts, sizes)
+            return HostBatch(read_ranges_host(locations, starts, sizes))
         return read_ranges_device(locations, starts, sizes)
 
+    def read_one(self, location: Any) -> np.ndarray | None:
+        from xarray_gds.io.local import read_file
 
-class StoreSource:
+        return read_file(location)
+
+    async def read_end(self, key: str, nbytes: int, at_end: bool) -> tuple[np.ndarray, int] | None:
+        """As :meth:`Source.read_end`, with one open, one ``fstat`` and one ``pread`` of
+        the file, in the engine's threads."""
+        from xarray_gds.coalesce import offload
+        from xarray_gds.io.local import read_end
+
+        path = str(self.store.resolve(key))
+        return await asyncio.wrap_future(offload(read_end, path, nbytes, at_end))
+
+
+class StoreSource(Source):
     """Keys of any zarr Store, read through its own ``get``."""
 
     kind = "store"
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def locate(self, keys: list[str]) -> list[Any]:
-        return list(keys)
-
     @staticmethod
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
-    ) -> Any:
+    ) -> Fetched:
         import zarr
         from zarr.core.buffer import cpu
         from zarr.core.common import concurrent_map
@@ -139,7 +186,7 @@ class StoreSource:
         starts: np.ndarray,
         sizes: np.ndarray,
         on_device: bool,
-    ) -> Any:
+    ) -> Fetched:
         """Byte ranges of keys through the stores' ``get``: ranges of one key less than
         ``xarray_gds.range_gap`` bytes apart are read as one request (the inner chunks
         of a shard, most often: one request a shard), all requests in flight at once."""
@@ -225,10 +272,10 @@ def merge_ranges(
     return spans
 
 
-def _on_side(found: list[np.ndarray | None], on_device: bool) -> Any:
+def _on_side(found: list[np.ndarray | None], on_device: bool) -> Fetched:
     """Host arrays as a read returns them: as they are, or packed into one arena."""
     if not on_device:
-        return found
+        return HostBatch(found)
     from xarray_gds.batch import pack
 
     return pack([None if a is None else _device.cupy().asarray(a) for a in found])
@@ -245,11 +292,11 @@ class RemoteSource(StoreSource):
     @staticmethod
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
-    ) -> Any:
+    ) -> Fetched:
         from xarray_gds import remote
 
         if not on_device:
-            return remote.read_host([s.store for s in sources], list(locations))
+            return HostBatch(remote.read_host([s.store for s in sources], list(locations)))
         return remote.read_device([s.store for s in sources], list(locations))
 
     @staticmethod
@@ -259,7 +306,7 @@ class RemoteSource(StoreSource):
         starts: np.ndarray,
         sizes: np.ndarray,
         on_device: bool,
-    ) -> Any:
+    ) -> Fetched:
         """Byte ranges of objects (inner chunks of shards), with the retries of
         :meth:`read_all`; a range that comes back short is an error, never data. Ranges
         less than ``xarray_gds.range_gap`` apart are read as one; on the device by kvikio
@@ -280,7 +327,7 @@ class RemoteSource(StoreSource):
 
 def _device_ranges(
     sources: Sequence[Any], locations: list[Any], starts: np.ndarray, sizes: np.ndarray
-) -> Any:
+) -> DeviceBatch:
     """:meth:`RemoteSource.read_ranges_all` on the device: the joined spans read by kvikio
     into one arena, then every range copied out to an aligned slot of another (nvCOMP
     reads aligned inputs)."""
@@ -313,15 +360,12 @@ def _device_ranges(
     return DeviceBatch(arena, offsets, out_sizes)
 
 
-class ReferenceSource:
+class ReferenceSource(Source):
     """Chunks of a virtual Zarr store (:class:`~xarray_gds.refs.ReferenceStore`, kerchunk
     references): byte ranges of the NetCDF4/HDF5 files they point at, read by kvikio
     into one device arena or by ``pread`` on the host, and inline chunks."""
 
     kind = "refs"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
 
     def locate(self, keys: list[str]) -> list[Any]:
         resolve = self.store.resolve
@@ -330,10 +374,11 @@ class ReferenceSource:
     @staticmethod
     def read_all(
         sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
-    ) -> Any:
+    ) -> Fetched:
         from xarray_gds.refs import read_references
 
-        return read_references(locations, on_device, [s.store for s in sources])
+        found = read_references(locations, on_device, [s.store for s in sources])
+        return found if on_device else HostBatch(found)
 
     @staticmethod
     def read_ranges_all(
@@ -342,7 +387,7 @@ class ReferenceSource:
         starts: np.ndarray,
         sizes: np.ndarray,
         on_device: bool,
-    ) -> Any:
+    ) -> Fetched:
         """Byte ranges of referenced chunks (inner chunks of a shard a reference points
         at): each reference narrowed to its range, then read as :meth:`read_all`."""
         from xarray_gds.refs import narrow
@@ -354,7 +399,7 @@ class ReferenceSource:
         return ReferenceSource.read_all(sources, narrowed, on_device, None)
 
 
-def source_for(store: Any) -> LocalSource | StoreSource | ReferenceSource:
+def source_for(store: Any) -> Source:
     """The source of a zarr Store's chunk bytes."""
     from xarray_gds import remote
     from xarray_gds.refs import ReferenceStore
@@ -370,18 +415,18 @@ def source_for(store: Any) -> LocalSource | StoreSource | ReferenceSource:
 
 
 def read(
-    sources: Sequence[Any],
+    sources: Sequence[Source],
     locations: list[Any],
     on_device: bool,
     slots: np.ndarray | None,
     ranges: tuple[np.ndarray, np.ndarray] | None = None,
-) -> Any:
+) -> Fetched:
     """Every location of a batch whose locations come from several sources: one
-    :meth:`Source.read_all` per kind, joined into one DeviceBatch (device) or list.
+    :meth:`Source.read_all` per kind, joined into one DeviceBatch (device) or HostBatch.
     With ``ranges`` (``starts, sizes``), a byte range of each location instead
     (:meth:`read_ranges_all`)."""
 
-    def one_kind(picked: Sequence[Any], idx: np.ndarray | None) -> Any:
+    def one_kind(picked: Sequence[Source], idx: np.ndarray | None) -> Fetched:
         reader = type(picked[0]) if picked else LocalSource
         where = [locations[i] for i in idx.tolist()] if idx is not None else locations
         if ranges is not None:
@@ -393,19 +438,20 @@ def read(
     kinds = {s.kind for s in sources}
     if len(kinds) <= 1:
         return one_kind(sources, None)
-    parts: list[tuple[np.ndarray, Any]] = []
+    parts: list[tuple[np.ndarray, Fetched]] = []
     for kind in sorted(kinds):
         idx = np.flatnonzero([s.kind == kind for s in sources])
         parts.append((idx, one_kind([sources[i] for i in idx.tolist()], idx)))
     return join(parts, len(locations), on_device)
 
 
-def join(parts: list[tuple[np.ndarray, Any]], n: int, on_device: bool) -> Any:
+def join(parts: list[tuple[np.ndarray, Fetched]], n: int, on_device: bool) -> Fetched:
     """Reads of disjoint subsets ``idx`` of ``n`` locations as one read of all of them
-    (one DeviceBatch on the device, one list on the host), in location order."""
+    (one DeviceBatch on the device, one HostBatch on the host), in location order."""
     if not on_device:
-        out: list[Any] = [None] * n
+        out = HostBatch([None] * n)
         for idx, got in parts:
+            assert isinstance(got, HostBatch)
             for i, a in zip(idx.tolist(), got, strict=True):
                 out[i] = a
         return out
