@@ -127,7 +127,7 @@ MUTANTS: list[Mutant] = [
         'if device_blocks and lazy.array.device == "cuda":',
         f"{T_HOST}::test_fuse_warns_once_for_device_arrays_with_host_blocks",
     ),
-    # io/local.py: local reads; store.py: deferred metadata
+    # io/local.py: local reads
     _m(
         "store:short-range-accepted",
         "io/local.py",
@@ -143,50 +143,48 @@ MUTANTS: list[Mutant] = [
         "return start, max(0, min(byte_range.end, size) - start - 1)",
         T_STORE,
     ),
+    # deferred.py: metadata held until the data is written, on any zarr Store
     _m(
-        "store:running-writes-not-waited",
-        "store.py",
-        "_deferral_lock.wait_for(lambda: deferred.inflight == 0)",
+        "deferred:running-writes-not-waited",
+        "deferred.py",
+        "write.cond.wait_for(lambda: write.running == 0)",
         "pass",
         T_DEFERRED,
     ),
     _m(
-        "store:late-writes-accepted",
-        "store.py",
-        "            if self._aborted is None:\n                return None",
-        "            if True:\n                return None",
+        "deferred:late-writes-accepted",
+        "deferred.py",
+        "            if write.failed:\n                raise RuntimeError(",
+        "            if False:\n                raise RuntimeError(",
         T_DEFERRED,
     ),
     _m(
-        "store:existing-arrays-dropped",
-        "store.py",
-        "if before.get(key) is None and _is_array_metadata(key, value)\n        )\n"
-        "        with _deferral_lock:",
-        "if _is_array_metadata(key, value)\n        )\n        with _deferral_lock:",
-        T_STORE,
+        "deferred:existing-arrays-dropped",
+        "deferred.py",
+        "if before.get(key) is None and _is_array_metadata(key, value)",
+        "if _is_array_metadata(key, value)",
         "tests/test_append.py::test_failed_append_leaves_dataset",
     ),
-    # deferred.py: metadata held back on any zarr Store
     _m(
-        "deferred:late-chunk-kept",
+        "deferred:created-chunks-kept",
         "deferred.py",
-        "await self.store.delete(key)  # landed after its failed write cleaned up",
-        "pass",
+        "doomed = set(write.created)",
+        "doomed = set()",
         T_DEFERRED,
     ),
     _m(
         "deferred:new-arrays-kept",
         "deferred.py",
-        "doomed = [k for k in state.written if prefixes and k.startswith(prefixes)]",
-        "doomed = []",
+        "doomed.update(k for k in write.written if k.startswith(prefixes))",
+        "pass",
         T_DEFERRED,
         "tests/test_write.py::test_failed_write_to_any_store_leaves_it_as_it_was",
     ),
     _m(
         "deferred:put-back-skipped",
         "deferred.py",
-        "stuck = self._put_back(done, before)",
-        "stuck = []",
+        "                self._put_back(done, before, err)",
+        "                pass",
         "tests/test_write.py::test_failed_metadata_write_puts_the_old_back",
     ),
     # route.py: the decode route's cost model

@@ -1,7 +1,7 @@
 """All-or-nothing writes to existing stores: a failed append leaves the dataset as it was.
 
 ``xarray_gds.to_zarr`` writes every chunk first and the metadata after it (see
-:meth:`~xarray_gds.store.GdsStore.defer_metadata`); when one of the metadata writes
+:class:`~xarray_gds.deferred.HeldMetadataStore`); when one of the metadata writes
 fails, the documents already replaced are put back. Failures are injected at each
 metadata write in turn (``os.replace``, by which every file of the store is moved into
 place, counting only renames inside the store under test: CuPy renames files into its

@@ -1,7 +1,8 @@
-"""Failed writes and local reads that race a change of the files: a chunk write still
-in flight when its write failed is removed as it lands (zarr-python lets the other
-writes of a failed gather run on), on any zarr Store (:mod:`xarray_gds.deferred`) and on
-local stores (:class:`~xarray_gds.store.GdsStore`); a local range that comes back short
+"""Failed writes and local reads that race a change of the files: the clean-up of a
+failed write (:mod:`xarray_gds.deferred`) waits for its chunk writes still in flight
+(zarr-python lets the other writes of a failed gather run on), removes what they made
+and refuses later ones, over memory and local stores
+(:class:`~xarray_gds.store.GdsStore`); a local range that comes back short
 (its file truncated between the size read and the read) is an error naming the chunk,
 never data."""
 
@@ -22,7 +23,6 @@ from zarr.core.buffer import cpu
 from zarr.core.sync import sync
 
 import xarray_gds.io.local
-import xarray_gds.store
 from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.io.local import read_ranges_host
 from xarray_gds.store import GdsStore
@@ -66,39 +66,15 @@ def _write_in_thread(store: Any, key: str) -> threading.Thread:
     return thread
 
 
-def test_held_metadata_store_removes_chunks_that_land_after_the_failure() -> None:
-    inner = _Gated("p/c/1")
-    sync(inner.set("q/c/0", _buffer(b"old")))  # an array of before: untouched
-    store = HeldMetadataStore(inner)
-    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))  # a new array: held
-    sync(store.set("p/c/0", _buffer(b"early")))
-    assert sync(inner.exists("p/c/0")) and not sync(inner.exists("p/zarr.json"))
-    late = _write_in_thread(store, "p/c/1")
-    try:
-        assert inner.entered.wait()  # the write of p/c/1 is under way...
-        store.discard()  # ...when the write fails: p/c/0 goes at once
-        early_gone = not sync(inner.exists("p/c/0"))
-    finally:  # p/c/1 lands after the clean-up: it is removed as it lands
-        inner.release.set()
-        late.join()
-    assert early_gone
-    assert late.errors == []  # type: ignore[attr-defined]
-    sync(store.set("p/c/2", _buffer(b"later")))  # a write that starts after the failure
-    assert sorted(inner._store_dict) == ["q/c/0"]
-
-
-def test_local_store_failure_waits_for_running_chunk_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A failed write's clean-up waits for its chunk writes still running, removes what
-    they made, and refuses chunk writes that start later: nothing of the failed write
-    lands after :meth:`GdsStore.discard_metadata` returns."""
-    root = tmp_path / "s.zarr"
-    store = GdsStore(root, read_only=False)
-    store.set_sync("q/c/0", _buffer(b"old"))
+def _gated_store(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, threading.Event, threading.Event]:
+    """A store whose write of ``p/c/1`` waits for the second event (the first tells
+    it has begun): a memory store, or a local one (its file write held)."""
+    if kind == "memory":
+        inner = _Gated("p/c/1")
+        return inner, inner.entered, inner.release
     entered, release = threading.Event(), threading.Event()
-    # set when the clean-up waits for running writes, or when it returned (without)
-    cleaning = threading.Event()
     real_put = GdsStore._put
 
     def gated_put(self: GdsStore, key: str, value: Any) -> None:
@@ -107,21 +83,48 @@ def test_local_store_failure_waits_for_running_chunk_writes(
             release.wait()
         real_put(self, key, value)
 
+    monkeypatch.setattr(GdsStore, "_put", gated_put)
+    return GdsStore(tmp_path / "s.zarr", read_only=False), entered, release
+
+
+def _keys(store: Any) -> list[str]:
+    async def listed() -> list[str]:
+        return sorted([k async for k in store.list()])
+
+    return sync(listed())
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_failure_waits_for_running_chunk_writes(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed write's clean-up waits for its chunk writes still running, removes every
+    chunk it created (of a new array; of an existing one, past what was there) and
+    refuses chunk writes that start later: nothing of the failed write lands after
+    :meth:`HeldMetadataStore.discard` returns. Chunks it replaced keep their bytes."""
+    inner, entered, release = _gated_store(kind, tmp_path, monkeypatch)
+    sync(inner.set("q/zarr.json", _buffer(ARRAY_META)))  # an array of before
+    sync(inner.set("q/c/0", _buffer(b"old")))
+    store = HeldMetadataStore(inner)
+    # set when the clean-up waits for running writes, or when it returned (without)
+    cleaning = threading.Event()
+
     class Watched(threading.Condition):
         def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
             cleaning.set()
             return super().wait_for(predicate, timeout)
 
-    monkeypatch.setattr(GdsStore, "_put", gated_put)
-    monkeypatch.setattr(xarray_gds.store, "_deferral_lock", Watched(threading.Lock()))
-    store.defer_metadata()
-    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    store._write.cond = Watched(threading.Lock())
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))  # a new array: held
     sync(store.set("p/c/0", _buffer(b"early")))
+    sync(store.set("q/c/0", _buffer(b"new")))  # replaced
+    sync(store.set("q/c/1", _buffer(b"more")))  # created in an existing array
+    assert _keys(inner) == ["p/c/0", "q/c/0", "q/c/1", "q/zarr.json"]
     late = _write_in_thread(store, "p/c/1")
 
     def discard() -> None:
         try:
-            store.discard_metadata()
+            store.discard()
         finally:
             cleaning.set()
 
@@ -136,11 +139,102 @@ def test_local_store_failure_waits_for_running_chunk_writes(
         if failing.ident is not None:  # started
             failing.join()
     assert late.errors == []  # type: ignore[attr-defined]
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    assert files == ["q/c/0"]
+    assert _keys(inner) == ["q/c/0", "q/zarr.json"]
+    got = sync(inner.get("q/c/0", cpu.buffer_prototype))
+    assert got is not None and got.to_bytes() == b"new"
     with pytest.raises(RuntimeError, match=r"not writing 'p/c/2' .* failed"):
         sync(store.set("p/c/2", _buffer(b"later")))
-    assert not (root / "p").exists()
+    assert _keys(inner) == ["q/c/0", "q/zarr.json"]
+    if kind == "local":
+        assert not (tmp_path / "s.zarr" / "p").exists()  # directories left empty go
+        assert sorted(p.name for p in (tmp_path / "s.zarr" / "q" / "c").iterdir()) == ["0"]
+
+
+def test_failure_on_a_remote_store_removes_the_new_arrays_chunks() -> None:
+    """Stores where asking whether a key exists costs a request (fsspec's, here over
+    its memory file system) record no existence: a failed write removes the chunks
+    of arrays that did not exist before, and keeps those it added to existing ones."""
+    from zarr.storage import FsspecStore
+
+    inner = FsspecStore.from_url(f"memory://held-{id(object())}", read_only=False)
+    sync(inner.set("q/zarr.json", _buffer(ARRAY_META)))
+    sync(inner.set("q/c/0", _buffer(b"old")))
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    sync(store.set("p/c/0", _buffer(b"early")))
+    sync(store.set("q/c/1", _buffer(b"more")))
+    store.discard()
+    assert _keys(inner) == ["q/c/0", "q/c/1", "q/zarr.json"]
+    with pytest.raises(RuntimeError, match=r"not writing 'p/c/1' .* failed"):
+        sync(store.set("p/c/1", _buffer(b"later")))
+
+
+def test_held_metadata_is_served_then_flushed(tmp_path: Path) -> None:
+    """Held metadata keys are read, listed and deleted like files, and reach the disk
+    only on flush (chunks go to disk at once); copies by ``with_read_only`` share them."""
+    store = HeldMetadataStore(GdsStore(tmp_path / "s.zarr", read_only=False))
+    meta = _buffer(b'{"zarr_format": 3, "node_type": "group"}')
+    sync(store.set("zarr.json", meta))
+    sync(store.set("a/zarr.json", meta))
+    sync(store.set("a/c/0", _buffer(b"abc")))
+    sync(store.set("b/zarr.json", meta))
+    assert not (tmp_path / "s.zarr" / "zarr.json").exists()
+    assert (tmp_path / "s.zarr" / "a" / "c" / "0").exists()
+    assert sync(store.exists("a/zarr.json"))
+    got = sync(store.get("a/zarr.json", prototype=cpu.buffer_prototype))
+    assert got is not None and got.to_bytes() == meta.to_bytes()
+    got = store.get_sync("a/zarr.json")
+    assert got is not None and got.to_bytes() == meta.to_bytes()
+    assert sync(store.getsize("a/zarr.json")) == len(meta)
+
+    async def listed(it: Any) -> list[str]:
+        return sorted([k async for k in it])
+
+    assert sync(listed(store.list_dir(""))) == ["a", "b", "zarr.json"]
+    assert sync(listed(store.list_prefix("a/"))) == ["a/c/0", "a/zarr.json"]
+    assert not sync(store.is_empty("b"))
+    ro = store.with_read_only(True)
+    assert sync(ro.exists("b/zarr.json"))
+    sync(store.delete_dir("b"))
+    assert not sync(store.exists("b/zarr.json"))
+    store.flush()
+    assert (tmp_path / "s.zarr" / "zarr.json").read_bytes() == meta.to_bytes()
+    assert (tmp_path / "s.zarr" / "a" / "zarr.json").exists()
+    assert not (tmp_path / "s.zarr" / "b").exists()
+    sync(store.set("c/zarr.json", meta))  # no longer held
+    assert (tmp_path / "s.zarr" / "c" / "zarr.json").exists()
+
+
+def test_held_metadata_ranges_prefixes_and_read_only(tmp_path: Path) -> None:
+    from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    store = HeldMetadataStore(GdsStore(tmp_path / "s.zarr", read_only=False))
+    sync(store.set("b/zarr.json", _buffer(b"0123456789")))
+    sync(store.set("bc/zarr.json", _buffer(b"{}")))
+
+    def read(request: ByteRequest | None) -> bytes:
+        got = sync(store.get("b/zarr.json", cpu.buffer_prototype, request))
+        assert got is not None
+        return got.to_bytes()
+
+    assert read(RangeByteRequest(2, 5)) == b"234"
+    assert read(OffsetByteRequest(3)) == b"3456789"
+    assert read(SuffixByteRequest(4)) == b"6789"
+
+    async def listed(prefix: str) -> list[str]:
+        return sorted([k async for k in store.list_prefix(prefix)])
+
+    assert sync(listed("b")) == ["b/zarr.json"]  # a directory, not a string prefix
+    sync(store.delete_dir("b"))
+    assert sync(store.exists("bc/zarr.json"))
+    with pytest.raises(ValueError, match="read-only"):
+        sync(store.with_read_only(True).set("d/zarr.json", _buffer(b"{}")))
+    store.flush()
+    assert (tmp_path / "s.zarr" / "bc" / "zarr.json").exists()
+    store = HeldMetadataStore(GdsStore(tmp_path / "s.zarr", read_only=False))
+    sync(store.set("e/zarr.json", _buffer(b"{}")))
+    store.discard()  # a failed write
+    assert not (tmp_path / "s.zarr" / "e").exists()
 
 
 # -- local ranges that come back short ---------------------------------------------------

@@ -206,9 +206,10 @@ def test_failed_write_leaves_whole_chunks(
 def test_which_store_each_target_writes_through(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Local paths: a GdsStore; other zarr Stores: held metadata around them; other
-    URLs (fsspec's, e.g. memory://) become zarr's FsspecStore, held the same way (the
-    engine's pipeline is given to the arrays of that one store object)."""
+    """Every store is written with held metadata around it: local paths as a GdsStore,
+    zarr Stores as they are, other URLs (fsspec's, e.g. memory://) as zarr's
+    FsspecStore (the engine's pipeline is given to the arrays of that one store
+    object)."""
     from zarr.storage import FsspecStore, MemoryStore
 
     from xarray_gds.deferred import HeldMetadataStore
@@ -222,9 +223,11 @@ def test_which_store_each_target_writes_through(
     memory = MemoryStore()
     xarray_gds.to_zarr(ds, memory)
     xarray_gds.to_zarr(ds, "memory://out.zarr", mode="w")
-    assert seen[0] is store and isinstance(seen[1], xarray_gds.GdsStore)
-    assert isinstance(seen[2], HeldMetadataStore) and seen[2].store is memory
-    assert isinstance(seen[3], HeldMetadataStore) and isinstance(seen[3].store, FsspecStore)
+    assert all(isinstance(s, HeldMetadataStore) for s in seen)
+    assert seen[0].store is store and isinstance(seen[1].store, xarray_gds.GdsStore)
+    assert seen[1].store.root == tmp_path / "local.zarr"
+    assert seen[2].store is memory
+    assert isinstance(seen[3].store, FsspecStore)
     assert seen[3].store.path.endswith("out.zarr")
 
 

@@ -20,6 +20,7 @@ import xarray as xr
 import zarr
 
 import xarray_gds
+from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.locking import lock_path
 from xarray_gds.store import GdsStore
 
@@ -121,14 +122,13 @@ def test_a_writer_waits_at_most_lock_timeout(tmp_path: Path) -> None:
     the process that holds it; the store is as the first writer leaves it."""
     path = tmp_path / "s.zarr"
     xarray_gds.to_zarr(_base(), path)
-    first = GdsStore(path, read_only=False)
-    first.defer_metadata()  # a write in progress
+    first = HeldMetadataStore(GdsStore(path, read_only=False))  # a write in progress
     lock = lock_path(path)
     with pytest.raises(TimeoutError) as info:
         xarray_gds.to_zarr(_rows(0, 0), path, append_dim="t", lock_timeout=0.05)
     assert str(lock) in str(info.value)
     assert f"pid {os.getpid()} on " in str(info.value)
-    first.flush_metadata()  # gives the lock back
+    first.flush()  # gives the lock back
     xarray_gds.to_zarr(_rows(0, 0), path, append_dim="t", lock_timeout=0.05)
     got = xr.open_dataset(path, engine="zarr").load()
     xr.testing.assert_identical(got, xr.concat([_base(), _rows(0, 0)], dim="t"))
@@ -137,8 +137,6 @@ def test_a_writer_waits_at_most_lock_timeout(tmp_path: Path) -> None:
 def test_memory_store_writer_waits_at_most_lock_timeout() -> None:
     store = zarr.storage.MemoryStore()
     xarray_gds.to_zarr(_base(), store)
-    from xarray_gds.deferred import HeldMetadataStore
-
     first = HeldMetadataStore(store)
     with pytest.raises(TimeoutError, match="thread 'MainThread'"):
         xarray_gds.to_zarr(_rows(0, 0), store, append_dim="t", lock_timeout=0.05)

@@ -1,289 +1,466 @@
-"""Metadata written after the data it describes, for any zarr Store (S3, HTTP, memory).
+"""Metadata written after the data it describes: one write, held in one place.
 
-:func:`xarray_gds.to_zarr` writes local stores through :class:`~xarray_gds.store.GdsStore`,
-which holds metadata back itself. Any other store (a remote URL, an ``FsspecStore``, an
-``ObjectStore``) is wrapped in :class:`HeldMetadataStore` for the write: chunk objects
-go to the store as zarr writes them, each in one ``set`` (one PUT on S3: whole or not
-at all), and the metadata documents (``zarr.json``, ``.zarray``, ``.zattrs``, ``.zgroup``,
-``.zmetadata``) are held in memory, served to the reads and listings of the write, and
-written at the end, arrays before their groups and consolidated metadata last. If the
-write fails, the metadata is dropped, so the store opens as it did before, and the chunks
-written for arrays that did not exist before are deleted. If writing the metadata itself
-fails, the documents it had already replaced are put back first.
+:func:`xarray_gds.to_zarr` wraps every store it writes (a local directory's
+:class:`~xarray_gds.store.GdsStore`, a remote URL's store, an ``FsspecStore``, an
+``ObjectStore``, a ``MemoryStore``; not an Icechunk session's, whose commit publishes a
+write whole) in :class:`HeldMetadataStore` for the write. Chunks go to the store as
+zarr writes them, each in one ``set`` (a file renamed into place; one PUT on S3:
+whole or not at all). The metadata documents (``zarr.json``, ``.zarray``, ``.zattrs``,
+``.zgroup``, ``.zmetadata``) are held in memory, served to the reads, listings and
+existence checks of the write, and written at the end, after every chunk write still
+running, arrays before their groups and consolidated metadata last.
 
-What an object store does not guarantee stays so: the metadata documents are several
-objects, and a reader that lists the store while they are being written may see some of
-them new and some old.
+The write holds the store's writer lock (:mod:`xarray_gds.locking`: local directories
+and memory stores) from the wrapper's making to its end, so a second writer of the
+same store waits, then reads the metadata this one wrote.
+
+If the write fails, the held metadata is dropped: the store opens as it did before.
+Chunk writes of it still running are waited for, later ones are refused, and the
+chunk objects it created are removed:
+
+- Local directories and memory stores, where asking whether a key exists is cheap
+  (one ``lstat``, one lookup): each chunk write records whether its key existed, and
+  every chunk the write created goes (those of new arrays, those past the old end of
+  an append, those of a region that held only the fill value), then the directories
+  this leaves empty. A full disk leaves only the chunks the metadata references.
+- Other stores (S3, HTTP, ``FsspecStore``, ``ObjectStore``), where asking costs a
+  request a chunk: the chunks of arrays that did not exist before go; chunks the write
+  added to existing arrays stay (past the old end of an append they are never read
+  through the old metadata; a region's chunk that held only the fill value reads as
+  written).
+
+Chunks the write replaced keep their new bytes in every case. If writing the metadata
+itself fails, the documents it had already replaced are put back first. What an
+object store does not guarantee stays so: the metadata documents are several objects,
+and a reader that lists the store while they are written may see some new, some old.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import Any, Self
 
-from zarr.abc.store import ByteRequest, Store
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
+from zarr.core.buffer import Buffer, BufferPrototype, cpu, default_buffer_prototype
 from zarr.core.sync import sync
+from zarr.storage import LocalStore, MemoryStore, WrapperStore
 
 from xarray_gds.locking import DEFAULT_TIMEOUT, WriterLock, writer_lock
-from xarray_gds.store import _is_array_metadata, is_metadata_key
+from xarray_gds.store import GdsStore, is_metadata_key
 
 __all__ = ["HeldMetadataStore"]
 
 
-class _Held:
-    """What a deferral holds; shared by the stores ``with_read_only`` makes."""
+class _Write:
+    """One write's state, shared by the stores that ``with_read_only`` makes."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
+    def __init__(self, probe: bool) -> None:
+        #: orders chunk writes' bookkeeping against the end, which waits on it for the
+        #: chunk writes still running
+        self.cond = threading.Condition()
         self.keys: dict[str, Buffer] = {}  #: metadata documents not written yet
+        self.holding = True  #: metadata is held (until flush or discard)
+        self.failed = False  #: the write failed: later writes are refused
+        self.probe = probe  #: chunk writes record whether their key existed
         self.written: set[str] = set()  #: chunk keys written meanwhile
-        self.active = True
-        self.dropped: tuple[str, ...] = ()  #: prefixes of new arrays of a failed write
+        self.created: set[str] = set()  #: those of them that were not there (probe)
+        self.running = 0  #: chunk writes and deletes running now
         self.writer: WriterLock | None = None  #: the store's writer lock, until the end
 
 
-def _slice(value: Buffer, byte_range: ByteRequest | None) -> Buffer:
+def _slice(value: Buffer, byte_range: ByteRequest | None) -> bytes:
+    data = value.to_bytes()
     if byte_range is None:
-        return value
-    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
-
+        return data
     if isinstance(byte_range, RangeByteRequest):
-        return value[byte_range.start : byte_range.end]
+        return data[byte_range.start : byte_range.end]
     if isinstance(byte_range, OffsetByteRequest):
-        return value[byte_range.offset :]
+        return data[byte_range.offset :]
     if isinstance(byte_range, SuffixByteRequest):
-        return value[len(value) - byte_range.suffix :]
+        return data[len(data) - byte_range.suffix :]
     raise TypeError(f"unexpected byte_range, got {byte_range!r}")
 
 
-class HeldMetadataStore(Store):
-    """A zarr Store over ``store`` whose metadata writes are held until :meth:`flush`
-    (see the module). Chunk reads and writes go straight to ``store``.
+def _is_array_metadata(key: str, value: Buffer) -> bool:
+    """Whether ``value``, held for the metadata key ``key``, describes an array."""
+    name = key.rsplit("/", 1)[-1]
+    if name == ".zarray":
+        return True
+    if name != "zarr.json":
+        return False
+    try:
+        return json.loads(value.to_bytes()).get("node_type") == "array"
+    except (ValueError, AttributeError):
+        return False
 
-    Made without ``held``, it takes the writer lock of ``store`` (a local or memory
-    store: see :mod:`xarray_gds.locking`), waiting at most ``lock_timeout`` seconds;
-    :meth:`flush` or :meth:`discard` gives it back.
+
+class HeldMetadataStore(WrapperStore[Store]):
+    """A zarr :class:`~zarr.storage.WrapperStore` over ``store`` whose metadata writes
+    are held until :meth:`flush` (see the module). Chunk reads and writes go to
+    ``store``; those of the write are counted while they run.
+
+    Made, it takes the writer lock of ``store`` (a local or memory store: see
+    :mod:`xarray_gds.locking`), waiting at most ``lock_timeout`` seconds (``None``: no
+    bound); :meth:`flush` or :meth:`discard` gives it back. Stores made from it by
+    ``with_read_only`` share the write.
+
+    Raises
+    ------
+    TimeoutError
+        When another writer held the lock for ``lock_timeout`` seconds; it names the
+        lock file and the writer holding it.
     """
-
-    supports_partial_writes = False
 
     def __init__(
         self,
         store: Store,
-        held: _Held | None = None,
         *,
         lock_timeout: float | None = DEFAULT_TIMEOUT,
+        _write: _Write | None = None,
     ) -> None:
-        super().__init__(read_only=store.read_only)
-        self.store = store
-        if held is None:
-            held = _Held()
-            held.writer = writer_lock(store, lock_timeout)
-        self._state = held
+        super().__init__(store)
+        if _write is None:
+            _write = _Write(probe=isinstance(store, (LocalStore, MemoryStore)))
+            _write.writer = writer_lock(store, lock_timeout)  # before zarr reads metadata
+        self._write = _write
 
-    def _release(self) -> None:
-        writer, self._state.writer = self._state.writer, None
-        if writer is not None:
-            writer.release()
+    @property
+    def store(self) -> Store:
+        """The store written."""
+        return self._store
 
-    # -- the write's life ----------------------------------------------------------------
+    def _with_store(self, store: Store) -> Self:
+        return type(self)(store, _write=self._write)
+
+    # -- the write's end -----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write the held metadata (arrays before their groups, consolidated last). All of
-        it or none: on failure the documents already written are put back as they were
-        (those that did not exist are deleted), and the new arrays' chunks are deleted.
+        """Write the held metadata (arrays before their groups, consolidated last), after
+        the chunk writes still running, and give the writer lock back.
+
+        All of it or none: the documents in the store are read first, and when a write
+        fails, those already replaced are put back (those that did not exist are
+        deleted), and the chunks the write created are removed (see :meth:`discard`).
 
         Raises
         ------
         RuntimeError
-            When putting the old metadata back failed as well, naming those keys.
+            When putting the old metadata back failed as well; it names the keys that
+            may now be inconsistent (the original error is its cause).
         """
-        state = self._state
-        with state.lock:
-            state.active = False
-            keys = dict(state.keys)
-        order = sorted(keys, key=lambda k: (-k.count("/"), k == ".zmetadata", k))
-        before = {k: self._get_bytes(k) for k in order}
-        done: list[str] = []
+        write = self._write
         try:
-            for key in order:
-                done.append(key)  # the failing write too: it may have landed
-                sync(self.store.set(key, keys[key]))
-        except BaseException as err:
-            stuck = self._put_back(done, before)
-            self._drop_new_arrays(keys, before)
-            if stuck:
-                raise RuntimeError(
-                    f"xarray-gds: writing the metadata of {self.store} failed ({err!r}), and "
-                    f"putting back the previous metadata of {sorted(stuck)} failed too: the "
-                    "store may not open, or open with mismatched arrays. Restore those keys "
-                    "from a backup, or write the dataset again with mode='w'."
-                ) from err
-            raise
+            keys = self._end(failed=False)
+            order = sorted(keys, key=lambda k: (-k.count("/"), k == ".zmetadata", k))
+            before = {k: self._get_bytes(k) for k in order}
+            done: list[str] = []
+            try:
+                for key in order:
+                    done.append(key)  # the failing write too: it may have landed
+                    sync(self._store.set(key, keys[key]))
+            except BaseException as err:
+                with write.cond:
+                    write.failed = True
+                self._put_back(done, before, err)
+                self._remove_created(keys, before)
+                raise
         finally:
-            state.keys.clear()
             self._release()
 
     def discard(self) -> None:
-        """The write failed: drop the held metadata and delete the chunks it wrote for
-        arrays that did not exist before (and those that land later)."""
-        state = self._state
-        with state.lock:
-            state.active = False
-            keys = dict(state.keys)
-            state.keys.clear()
+        """The write failed: drop the held metadata, wait for the chunk writes of it still
+        running, refuse later ones, remove the chunk objects it created (see the module
+        for which, by kind of store), and give the writer lock back."""
         try:
-            self._drop_new_arrays(keys, {k: self._get_bytes(k) for k in keys})
+            keys = self._end(failed=True)
+            self._remove_created(keys, {k: self._get_bytes(k) for k in keys})
         finally:
             self._release()
 
+    def _end(self, *, failed: bool) -> dict[str, Buffer]:
+        """Stop holding metadata and wait for the chunk writes still running; returns
+        the metadata held. From here on, chunk writes are not the write's own: written
+        as usual after a success, refused after a failure (zarr lets the other writes
+        of a failed gather run on, dask the other tasks: they write nothing)."""
+        write = self._write
+        with write.cond:
+            write.holding = False
+            write.failed = write.failed or failed
+            keys, write.keys = write.keys, {}
+            write.cond.wait_for(lambda: write.running == 0)
+        return keys
+
+    def _release(self) -> None:
+        writer, self._write.writer = self._write.writer, None
+        if writer is not None:
+            writer.release()
+
     def _get_bytes(self, key: str) -> bytes | None:
-        got = sync(self.store.get(key, default_buffer_prototype()))
+        got = sync(self._store.get(key, default_buffer_prototype()))
         return None if got is None else got.to_bytes()
 
-    def _put_back(self, keys: list[str], before: dict[str, bytes | None]) -> list[str]:
+    def _put_back(
+        self, keys: list[str], before: dict[str, bytes | None], err: BaseException
+    ) -> None:
+        """Put back the metadata ``keys`` as ``before`` holds them (deleting those it
+        holds as ``None``), in reverse order of writing; ``err`` made it necessary."""
         stuck = []
         for key in reversed(keys):
             try:
                 old = before[key]
                 if old is None:
-                    sync(self.store.delete(key))
+                    sync(self._store.delete(key))
                 else:
-                    sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(old)))
+                    sync(self._store.set(key, cpu.Buffer.from_bytes(old)))
             except Exception:
                 stuck.append(key)
-        return stuck
+        if stuck:
+            raise RuntimeError(
+                f"xarray-gds: writing the metadata of {self._store} failed ({err!r}), and "
+                f"putting back the previous metadata of {sorted(stuck)} failed too: the "
+                "store may not open, or open with mismatched arrays. Restore those keys "
+                "from a backup, or write the dataset again with mode='w'."
+            ) from err
 
-    def _drop_new_arrays(self, keys: dict[str, Buffer], before: dict[str, bytes | None]) -> None:
+    def _remove_created(self, keys: dict[str, Buffer], before: dict[str, bytes | None]) -> None:
+        """Delete the chunks of the failed write that ``before`` (the metadata in the
+        store when the write began) does not reference: those it created (where
+        recorded) and every chunk of arrays whose metadata (in ``keys``) is new. Then
+        the directories this leaves empty, in a local store."""
         prefixes = tuple(
             key.rpartition("/")[0] + "/" if "/" in key else ""
             for key, value in keys.items()
             if before.get(key) is None and _is_array_metadata(key, value)
         )
-        state = self._state
-        with state.lock:
-            state.dropped = prefixes
-            doomed = [k for k in state.written if prefixes and k.startswith(prefixes)]
-        for key in doomed:
-            sync(self.store.delete(key))
+        write = self._write
+        with write.cond:
+            doomed = set(write.created)
+            if prefixes:
+                doomed.update(k for k in write.written if k.startswith(prefixes))
+        doomed = {k for k in doomed if not is_metadata_key(k)}
 
-    # -- Store ---------------------------------------------------------------------------
+        async def delete_all() -> None:
+            await asyncio.gather(*(self._store.delete(k) for k in doomed))
+
+        sync(delete_all())
+        if isinstance(self._store, LocalStore):
+            _remove_empty_dirs(os.fspath(self._store.root), doomed)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _hold(self, key: str, value: Buffer) -> bool:
+        """Hold ``value`` for the metadata key ``key`` while the write holds metadata;
+        False when ``key`` is written as usual."""
+        if not is_metadata_key(key):
+            return False
+        write = self._write
+        with write.cond:
+            if not write.holding:
+                return False
+            self._check_writable()
+            write.keys[key] = value
+            return True
+
+    def _forget(self, key: str) -> None:
+        """Drop the held ``key`` and the held keys below it (``key`` as a directory)."""
+        write = self._write
+        with write.cond:
+            write.keys.pop(key, None)
+            for held in self._held_below(key):
+                del write.keys[held]
+
+    def _starting(self, key: str) -> _Write | None:
+        """Note a chunk write or delete of ``key`` starting; returns the write it belongs
+        to (its end waits for :meth:`_over`), None once the write succeeded.
+
+        Raises
+        ------
+        RuntimeError
+            When the write failed: what is left of it writes nothing.
+        """
+        write = self._write
+        with write.cond:
+            if write.failed:
+                raise RuntimeError(
+                    f"xarray-gds: not writing {key!r} in {self._store}: the write it belongs "
+                    "to failed and was cleaned up. Run the write again."
+                )
+            if not write.holding:
+                return None
+            write.running += 1
+            return write
+
+    @staticmethod
+    def _over(write: _Write | None, key: str | None, created: bool) -> None:
+        """The write of ``key`` (``None``: a delete) noted by :meth:`_starting` is over;
+        ``created``: there was nothing at ``key`` before it."""
+        if write is None:
+            return
+        with write.cond:
+            if key is not None:
+                write.written.add(key)
+                if created:
+                    write.created.add(key)
+            write.running -= 1
+            if not write.running:
+                write.cond.notify_all()
+
+    def _existed(self, key: str) -> bool:
+        """Whether the store holds ``key`` (asked synchronously, of probed stores only)."""
+        store = self._store
+        if isinstance(store, LocalStore):
+            return os.path.lexists(os.path.join(store.root, key))
+        return self._sync_store().get_sync(key) is not None
+
+    def _sync_store(self) -> Any:
+        if not hasattr(self._store, "set_sync"):
+            raise TypeError(f"Store {type(self._store).__name__} does not support synchronous IO.")
+        return self._store
+
+    def _set_counted(self, key: str, value: Buffer) -> None:
+        """Write the chunk ``key`` through the synchronous API, counted while it runs."""
+        write = self._starting(key)
+        created = False
+        try:
+            created = write is not None and write.probe and not self._existed(key)
+            self._sync_store().set_sync(key, value)
+        finally:
+            self._over(write, key, created)
+
+    def _delete_counted(self, key: str) -> None:
+        write = self._starting(key)
+        try:
+            self._sync_store().delete_sync(key)
+        finally:
+            self._over(write, None, False)
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        """Write ``key`` now, in this thread (the batched writer's threads call it)."""
+        if not self._hold(key, value):
+            self._set_counted(key, value)
+
+    def delete_sync(self, key: str) -> None:
+        """Delete ``key`` now, in this thread."""
+        self._forget(key)
+        self._delete_counted(key)
+
+    async def set(self, key: str, value: Buffer) -> None:
+        if self._hold(key, value):
+            return
+        if isinstance(self._store, GdsStore):
+            # counted in the thread that writes: a cancelled task's thread runs on
+            await asyncio.to_thread(self._set_counted, key, value)
+            return
+        write = self._starting(key)
+        created = False
+        try:
+            created = write is not None and write.probe and not await self._store.exists(key)
+            await self._store.set(key, value)
+        finally:
+            self._over(write, key, created)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        if not await self.exists(key):
+            await self.set(key, value)
+
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
+        await asyncio.gather(*(self.set(k, v) for k, v in values))
+
+    async def delete(self, key: str) -> None:
+        self._forget(key)
+        if isinstance(self._store, GdsStore):
+            await asyncio.to_thread(self._delete_counted, key)
+            return
+        write = self._starting(key)
+        try:
+            await self._store.delete(key)
+        finally:
+            self._over(write, None, False)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._check_writable()
+        self._forget(prefix.rstrip("/"))
+        await self._store.delete_dir(prefix)
+
+    async def clear(self) -> None:
+        self._check_writable()
+        with self._write.cond:
+            self._write.keys.clear()
+        await self._store.clear()
+
+    # -- reads ---------------------------------------------------------------------------
 
     def _held(self, key: str) -> Buffer | None:
-        state = self._state
-        return state.keys.get(key) if state.active else None
+        write = self._write
+        return write.keys.get(key) if write.holding else None
 
     def _held_below(self, prefix: str) -> list[str]:
-        state = self._state
-        if not state.active:
+        """Held keys below the directory ``prefix`` (all of them for ``""``)."""
+        write = self._write
+        if not write.holding:
             return []
         base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        return [k for k in state.keys if k.startswith(base)]
+        return [k for k in write.keys if k.startswith(base)]
 
-    def _forget(self, prefix: str) -> None:
-        with self._state.lock:
-            self._state.keys.pop(prefix, None)
-            for key in self._held_below(prefix):
-                del self._state.keys[key]
-
-    async def _open(self) -> None:
-        await self.store._ensure_open()
-        self._is_open = True
-
-    def with_read_only(self, read_only: bool = False) -> HeldMetadataStore:
-        return HeldMetadataStore(self.store.with_read_only(read_only), self._state)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HeldMetadataStore) and other.store == self.store
-
-    def __hash__(self) -> int:
-        return id(self._state)
-
-    def __repr__(self) -> str:
-        return f"HeldMetadataStore({self.store!r})"
-
-    def __str__(self) -> str:
-        return str(self.store)
-
-    @property
-    def supports_writes(self) -> bool:
-        return self.store.supports_writes
-
-    @property
-    def supports_deletes(self) -> bool:
-        return self.store.supports_deletes
-
-    @property
-    def supports_listing(self) -> bool:
-        return self.store.supports_listing
+    def get_sync(self, key: str, **options: Any) -> Buffer | None:
+        """Read ``key`` now, in this thread (``options``: ``prototype``, ``byte_range``)."""
+        held = self._held(key)
+        if held is not None:  # metadata: in host memory, as stores return it
+            return cpu.Buffer.from_bytes(_slice(held, options.get("byte_range")))
+        return self._sync_store().get_sync(key, **options)
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
         held = self._held(key)
         if held is not None:
-            return prototype.buffer.from_bytes(_slice(held, byte_range).to_bytes())
-        return await self.store.get(key, prototype, byte_range)
+            return cpu.Buffer.from_bytes(_slice(held, byte_range))
+        return await self._store.get(key, prototype, byte_range)
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
+        key_ranges = list(key_ranges)
+        if not any(self._held(k) is not None for k, _ in key_ranges):
+            return await self._store.get_partial_values(prototype, key_ranges)
         return [await self.get(k, prototype, r) for k, r in key_ranges]
 
+    async def _get_many(
+        self, requests: Iterable[tuple[str, BufferPrototype, ByteRequest | None]]
+    ) -> AsyncGenerator[tuple[str, Buffer | None], None]:
+        for key, prototype, byte_range in requests:
+            yield key, await self.get(key, prototype, byte_range)
+
     async def exists(self, key: str) -> bool:
-        return self._held(key) is not None or await self.store.exists(key)
+        return self._held(key) is not None or await self._store.exists(key)
 
     async def getsize(self, key: str) -> int:
         held = self._held(key)
-        return len(held) if held is not None else await self.store.getsize(key)
+        return len(held) if held is not None else await self._store.getsize(key)
 
-    async def set(self, key: str, value: Buffer) -> None:
-        self._check_writable()
-        state = self._state
-        with state.lock:
-            if state.active and is_metadata_key(key):
-                state.keys[key] = value
-                return
-            state.written.add(key)
-        await self.store.set(key, value)
-        if state.dropped and key.startswith(state.dropped) and not is_metadata_key(key):
-            await self.store.delete(key)  # landed after its failed write cleaned up
-
-    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        if not await self.exists(key):
-            await self.set(key, value)
-
-    async def delete(self, key: str) -> None:
-        self._check_writable()
-        self._forget(key)
-        await self.store.delete(key)
-
-    async def delete_dir(self, prefix: str) -> None:
-        self._check_writable()
-        self._forget(prefix.rstrip("/"))
-        await self.store.delete_dir(prefix)
-
-    async def clear(self) -> None:
-        self._check_writable()
-        with self._state.lock:
-            self._state.keys.clear()
-        await self.store.clear()
-
-    async def set_partial_values(
-        self, key_start_values: Iterable[tuple[str, int, bytes]]
-    ) -> None:  # pragma: no cover - supports_partial_writes is False
-        raise NotImplementedError
+    async def is_empty(self, prefix: str) -> bool:
+        return not self._held_below(prefix) and await self._store.is_empty(prefix)
 
     async def list(self) -> AsyncIterator[str]:
-        async for key in self._and_held(self.store.list(), ""):
+        async for key in self._and_held(self._store.list(), ""):
             yield key
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        async for key in self._and_held(self.store.list_prefix(prefix), prefix):
+        async for key in self._and_held(self._store.list_prefix(prefix), prefix):
             yield key
 
     async def _and_held(self, stored: AsyncIterator[str], prefix: str) -> AsyncIterator[str]:
+        """The keys of ``stored``, then the held keys below ``prefix`` not among them."""
         seen = set()
         async for key in stored:
             seen.add(key)
@@ -295,7 +472,7 @@ class HeldMetadataStore(Store):
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
         base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
         seen = set()
-        async for name in self.store.list_dir(prefix):
+        async for name in self._store.list_dir(prefix):
             seen.add(name)
             yield name
         for key in self._held_below(prefix):
@@ -303,3 +480,33 @@ class HeldMetadataStore(Store):
             if name not in seen:
                 seen.add(name)
                 yield name
+
+    # -- identity ------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        await self._store._ensure_open()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HeldMetadataStore) and other._store == self._store
+
+    def __hash__(self) -> int:
+        return id(self._write)
+
+    def __repr__(self) -> str:
+        return f"HeldMetadataStore({self._store!r})"
+
+    def __str__(self) -> str:
+        return str(self._store)
+
+
+def _remove_empty_dirs(root: str, keys: Iterable[str]) -> None:
+    """Remove the directories of ``keys`` below ``root`` that are empty, deepest first."""
+    parents: set[str] = set()
+    for key in keys:
+        parts = key.split("/")[:-1]
+        parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+    for parent in sorted(parents, key=lambda p: -p.count("/")):
+        try:
+            os.rmdir(os.path.join(root, parent))
+        except OSError:  # not empty: it holds what was there before
+            continue

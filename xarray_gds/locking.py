@@ -1,10 +1,9 @@
 """One writer at a time per store: the lock a write holds while metadata is held back.
 
-:meth:`GdsStore.defer_metadata <xarray_gds.store.GdsStore.defer_metadata>` (and a
-:class:`~xarray_gds.deferred.HeldMetadataStore` over a local or memory store) takes the
-store's writer lock, and the end of the write (flush or discard) gives it back: it
-spans what :func:`xarray_gds.to_zarr` does, from xarray reading the metadata through
-the chunk writes to the metadata written last. A second writer of the same store
+A :class:`~xarray_gds.deferred.HeldMetadataStore` over a local or memory store takes
+the store's writer lock when it is made, and the end of the write (flush or discard)
+gives it back: it spans what :func:`xarray_gds.to_zarr` does, from xarray reading the
+metadata through the chunk writes to the metadata written last. A second writer of the same store
 waits, then reads the metadata the first one wrote (its append lands after the first
 one's), or fails after ``timeout`` seconds naming the writer that holds the lock.
 

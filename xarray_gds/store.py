@@ -1,28 +1,25 @@
 """A local-directory zarr Store that reads chunk bytes straight into GPU memory.
 
-:class:`GdsStore` is the Store (keys, metadata held until the data is written, links
-refused, one writer at a time); the file reads and writes under it are
-:mod:`xarray_gds.io.local`'s."""
+:class:`GdsStore` is the Store (keys, reads, writes with links out of the root
+refused, listing) and nothing else: the file reads and writes under it are
+:mod:`xarray_gds.io.local`'s; metadata held until the data is written, the writer
+lock and the clean-up of failed writes are :class:`~xarray_gds.deferred.HeldMetadataStore`'s,
+which :func:`xarray_gds.to_zarr` wraps around it."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import stat
-import threading
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, cpu
 from zarr.storage import LocalStore
 
 from xarray_gds.io import local as _local
-from xarray_gds.locking import DEFAULT_TIMEOUT, WriterLock, writer_lock
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
@@ -41,46 +38,6 @@ def _is_gpu_prototype(prototype: BufferPrototype) -> bool:
     return not issubclass(prototype.buffer, cpu.Buffer)
 
 
-@dataclass
-class _Deferred:
-    """Metadata keys held back by :meth:`GdsStore.defer_metadata`."""
-
-    keys: dict[str, Buffer] = field(default_factory=dict)
-    active: bool = True
-    depth: int = 1  #: nested deferrals still open
-    failed: bool = False  #: one of them failed: drop the keys instead of writing them
-    written: list[str] = field(default_factory=list)  #: chunk keys written meanwhile
-    created: list[str] = field(default_factory=list)  #: those of them that were not there
-    inflight: int = 0  #: chunk writes and deletes of this deferral running now
-    lock: WriterLock | None = None  #: the store's writer lock, held until the end
-
-
-@dataclass
-class _Deferrals:
-    """The deferral state a store shares with its copies (see ``GdsStore._deferrals``)."""
-
-    deferred: _Deferred | None = None
-    aborted: _Deferred | None = None
-
-
-#: orders chunk writes' bookkeeping against the end of a deferral, which waits on it
-#: for the chunk writes still running
-_deferral_lock = threading.Condition()
-
-
-def _is_array_metadata(key: str, value: Buffer) -> bool:
-    """Whether ``value``, held for the metadata key ``key``, describes an array."""
-    name = key.rsplit("/", 1)[-1]
-    if name == ".zarray":
-        return True
-    if name != "zarr.json":
-        return False
-    try:
-        return json.loads(value.to_bytes()).get("node_type") == "array"
-    except (ValueError, AttributeError):
-        return False
-
-
 class GdsStore(LocalStore):
     """A :class:`zarr.storage.LocalStore` whose chunk reads land in GPU memory.
 
@@ -90,7 +47,9 @@ class GdsStore(LocalStore):
     pinned bounce buffer) otherwise. Metadata keys and reads with a host prototype
     go through ordinary file reads. Writes go to a temporary file renamed into place
     (as LocalStore's, with os-level calls); deleting a directory removes its files
-    in parallel. Listing is :class:`~zarr.storage.LocalStore`'s.
+    in parallel. Listing is :class:`~zarr.storage.LocalStore`'s. Metadata keys are
+    written as any other: :func:`xarray_gds.to_zarr` holds them until the data is in
+    (:class:`~xarray_gds.deferred.HeldMetadataStore`).
 
     Keys that would resolve outside ``root`` (absolute paths, ``..`` segments) are
     rejected with :class:`ValueError`. So are writes and deletes whose directory is
@@ -127,10 +86,6 @@ class GdsStore(LocalStore):
         if prototype is None:
             prototype = cpu.buffer_prototype
         path = self.resolve(key)
-        held = self._held(key)
-        if held is not None:
-            offset, nbytes = _local.byte_span(len(held), byte_range)
-            return cpu.Buffer.from_bytes(held.to_bytes()[offset : offset + nbytes])
         try:
             if _is_gpu_prototype(prototype) and not is_metadata_key(key):
                 return prototype.buffer.from_array_like(_local.read_span_device(path, byte_range))
@@ -219,240 +174,6 @@ class GdsStore(LocalStore):
             )
         )
 
-    # -- metadata held back until the data it describes is written ---------------------
-    # Held in one _Deferrals that every store made from this one by ``with_read_only``
-    # shares: zarr writes chunks through such copies, and a copy must see the deferral
-    # (and its failure) of the store it came from.
-
-    @property
-    def _deferrals(self) -> _Deferrals:
-        shared = self.__dict__.get("_shared_deferrals")
-        if shared is None:
-            shared = self.__dict__["_shared_deferrals"] = _Deferrals()
-        return shared
-
-    @property
-    def _deferred(self) -> _Deferred | None:
-        return self._deferrals.deferred
-
-    @_deferred.setter
-    def _deferred(self, value: _Deferred | None) -> None:
-        self._deferrals.deferred = value
-
-    @property
-    def _aborted(self) -> _Deferred | None:
-        """The last deferral that failed: chunk writes of that write still running (zarr
-        does not cancel the rest of a failed gather) are removed too."""
-        return self._deferrals.aborted
-
-    @_aborted.setter
-    def _aborted(self, value: _Deferred | None) -> None:
-        self._deferrals.aborted = value
-
-    def defer_metadata(self, lock_timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        """Hold metadata writes in memory until :meth:`flush_metadata`.
-
-        Chunks are written to disk as usual; metadata keys (``zarr.json``, ``.zarray``,
-        ``.zattrs``, ``.zgroup``, ``.zmetadata``) are kept here and served to reads,
-        listings and existence checks, then written after the data. A write that
-        fails before the flush leaves the metadata on disk as it was: an append
-        that fails does not extend the array over chunks that were never written.
-        Stores made from this one by ``with_read_only`` share the held keys.
-
-        Calls nest (two writes through one store object): the keys are written when
-        the last of them flushes, and dropped instead if any of them failed.
-
-        The outermost call takes the store's writer lock (see :mod:`xarray_gds.locking`)
-        and the end of the deferral gives it back: another process or thread writing
-        the same directory meanwhile waits, then reads the metadata this write left.
-
-        Parameters
-        ----------
-        lock_timeout : float or None
-            Seconds to wait for another writer's lock (``None``: no bound).
-
-        Raises
-        ------
-        TimeoutError
-            When another writer held the lock for ``lock_timeout`` seconds; it names
-            the lock file and the process holding it.
-        """
-        with _deferral_lock:
-            if self._deferred is not None and self._deferred.active:
-                self._deferred.depth += 1
-                return
-        lock = writer_lock(self, lock_timeout)  # before zarr reads any metadata
-        with _deferral_lock:
-            self._deferred = _Deferred(lock=lock)
-            self._aborted = None
-
-    def flush_metadata(self) -> None:
-        """Write the held metadata (arrays before their groups, consolidated last) and
-        stop holding it (at the end of the outermost deferral).
-
-        Chunk writes of the deferral still running are waited for first, so that the
-        metadata goes to disk after every chunk it describes. All of it or none: the
-        metadata documents on disk are read first, and when a write fails, those
-        already replaced are written back (and those that did not exist are removed)
-        before the error propagates, so that the store opens as it did before. The
-        chunk files the write made are removed too (see :meth:`discard_metadata`).
-
-        Raises
-        ------
-        RuntimeError
-            When putting the old metadata back failed as well; it names the keys that
-            may now be inconsistent (the original error is its cause).
-        """
-        deferred = self._deferred
-        if deferred is None:
-            return
-        deferred.depth -= 1
-        if deferred.depth > 0:
-            return
-        self._end(deferred)
-        try:
-            if deferred.failed:
-                before = {k: _local.read_or_none(os.path.join(self.root, k)) for k in deferred.keys}
-                self._remove_written(deferred, before)
-                return
-            order = sorted(deferred.keys, key=lambda k: (-k.count("/"), k))
-            before = {k: _local.read_or_none(os.path.join(self.root, k)) for k in order}
-            done: list[str] = []
-            try:
-                for key in order:
-                    done.append(key)  # the failing write too: it may have landed
-                    self._put(key, deferred.keys[key])
-            except BaseException as err:
-                deferred.failed = True
-                with _deferral_lock:
-                    self._aborted = deferred
-                self._restore(done, before, err)
-                self._remove_written(deferred, before)
-                raise
-        finally:
-            deferred.keys.clear()
-            if deferred.lock is not None:
-                deferred.lock.release()
-
-    def _end(self, deferred: _Deferred) -> None:
-        """Stop holding metadata for ``deferred`` and wait for its chunk writes still
-        running. From here on, chunk writes are not its own; when it failed, they are
-        refused (see :meth:`_writing`): what is left of the failed write (zarr lets the
-        other writes of a failed gather run on, dask the other tasks) writes nothing."""
-        with _deferral_lock:
-            self._deferred = None
-            deferred.active = False
-            if deferred.failed:
-                self._aborted = deferred
-            _deferral_lock.wait_for(lambda: deferred.inflight == 0)
-
-    def _restore(
-        self, keys: list[str], before: dict[str, bytes | None], err: BaseException
-    ) -> None:
-        """Put back the metadata ``keys`` as ``before`` holds them (removing those it
-        holds as ``None``), in reverse order of writing; ``err`` made it necessary."""
-        stuck: list[str] = []
-        for key in reversed(keys):
-            path = os.path.join(self.root, key)
-            try:
-                old = before[key]
-                if old is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-                else:
-                    _local.write_file(path, old)
-            except Exception:
-                stuck.append(key)
-        if stuck:
-            raise RuntimeError(
-                f"xarray-gds: writing the metadata of {self} failed ({err!r}), and putting "
-                f"back the previous metadata of {sorted(stuck)} failed too: the store may not "
-                "open, or open with mismatched arrays. Restore those keys from a backup, or "
-                "write the dataset again with mode='w'."
-            ) from err
-
-    def _remove_written(self, deferred: _Deferred, before: dict[str, bytes | None]) -> None:
-        """Delete the chunk files that the failed ``deferred`` made (those that were not
-        there before it wrote them) and every chunk it wrote for arrays whose metadata
-        did not exist before (``before``: the documents on disk when the write began),
-        then the directories this leaves empty. Chunks it replaced stay (their old
-        bytes are gone): readers read them only inside the old shape."""
-        prefixes = tuple(
-            key.rpartition("/")[0] + "/" if "/" in key else ""
-            for key, value in deferred.keys.items()
-            if before.get(key) is None and _is_array_metadata(key, value)
-        )
-        with _deferral_lock:
-            doomed = set(deferred.created)
-            if prefixes:
-                doomed.update(k for k in deferred.written if k.startswith(prefixes))
-        root = os.fspath(self.root)
-        parents: set[str] = set()
-        for key in doomed:
-            if is_metadata_key(key):
-                continue
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.unlink(os.path.join(root, key))
-            parts = key.split("/")[:-1]
-            parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
-        for parent in sorted(parents, key=lambda p: -p.count("/")):
-            with contextlib.suppress(OSError):  # not empty: it holds what was there before
-                os.rmdir(os.path.join(root, parent))
-
-    def discard_metadata(self) -> None:
-        """A write failed: drop the held metadata (at the end of the outermost deferral).
-
-        Chunk writes of the write still running are waited for, and those that start
-        later are refused, so nothing of it lands after this returns. The chunk files
-        it made are removed: those of arrays that did not exist before, and those of
-        existing arrays that were not there (past the old end of an append, or
-        chunks of a region that held only the fill value). The store holds the files
-        it held before, but for the chunks the write replaced.
-        """
-        if self._deferred is not None:
-            self._deferred.failed = True
-            self.flush_metadata()
-
-    def _held(self, key: str) -> Buffer | None:
-        deferred = self._deferred
-        if deferred is None or not deferred.active:
-            return None
-        return deferred.keys.get(key)
-
-    def _hold(self, key: str, value: Buffer, *, keep: bool = False) -> bool:
-        """Hold ``value`` for the metadata key ``key`` while writes are deferred (keep
-        an existing value with ``keep``); False when ``key`` is written as usual."""
-        deferred = self._deferred
-        if deferred is None or not deferred.active or not is_metadata_key(key):
-            return False
-        self._check_writable()
-        if not keep:
-            deferred.keys[key] = value
-        return True
-
-    def _forget(self, key: str) -> None:
-        """Drop the held ``key`` and the held keys below it (``key`` as a directory)."""
-        deferred = self._deferred
-        if deferred is None or not deferred.active or not deferred.keys:
-            return
-        deferred.keys.pop(key, None)
-        for held in self._held_keys(key):
-            del deferred.keys[held]
-
-    def _held_keys(self, prefix: str = "") -> list[str]:
-        """Held keys below the directory ``prefix`` (all of them for ``""``)."""
-        deferred = self._deferred
-        if deferred is None or not deferred.active:
-            return []
-        base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        return [k for k in deferred.keys if k.startswith(base)]
-
-    def with_read_only(self, read_only: bool = False) -> Self:
-        clone = super().with_read_only(read_only)
-        clone.__dict__["_shared_deferrals"] = self._deferrals
-        return clone
-
-    # Key validation for the inherited write/list paths.
     def _put(self, key: str, value: Buffer) -> None:
         self._ensure_open_sync()
         self._check_writable()
@@ -488,95 +209,28 @@ class GdsStore(LocalStore):
                 f"{real_root}. Replace the link by a directory (or a link inside the store)."
             )
 
-    def _writing(self, key: str) -> _Deferred | None:
-        """Note a chunk write or delete of ``key`` starting while metadata is held;
-        returns the deferral it belongs to (its end waits for :meth:`_wrote`).
-
-        Raises
-        ------
-        RuntimeError
-            When the last deferral of this store failed and no write began since (a
-            metadata write or :meth:`defer_metadata`): what is left of a failed write.
-        """
-        with _deferral_lock:
-            deferred = self._deferred
-            if deferred is not None and deferred.active:
-                deferred.inflight += 1
-                return deferred
-            if self._aborted is None:
-                return None
-            if is_metadata_key(key):  # a new write through this store
-                self._aborted = None
-                return None
-        raise RuntimeError(
-            f"xarray-gds: not writing {key!r} in {self}: the write it belongs to failed "
-            "and was cleaned up. Run the write again."
-        )
-
-    @staticmethod
-    def _wrote(deferred: _Deferred | None, key: str | None, created: bool) -> None:
-        """The write of ``key`` (``None``: a delete) noted by :meth:`_writing` is over;
-        ``created``: there was no file at ``key`` before it."""
-        if deferred is None:
-            return
-        with _deferral_lock:
-            if key is not None:
-                deferred.written.append(key)
-                if created:
-                    deferred.created.append(key)
-            deferred.inflight -= 1
-            if not deferred.inflight:
-                _deferral_lock.notify_all()
-
-    def _set_file(self, key: str, value: Buffer) -> None:
-        """Write the chunk (or metadata outside a deferral) ``key``, counted as running
-        while it runs (in the thread that writes it: a cancelled task's thread runs on)."""
-        deferred = self._writing(key)
-        if deferred is None:
-            self._put(key, value)
-            return
-        created = not os.path.lexists(os.path.join(self.root, key))
-        try:
-            self._put(key, value)
-        finally:
-            self._wrote(deferred, key, created)
-
-    def _delete_file(self, key: str) -> None:
-        deferred = self._writing(key)
-        try:
-            self._check_links(key.split("/")[:-1], key)
-            super().delete_sync(key)
-        finally:
-            self._wrote(deferred, None, False)
-
     def set_sync(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if not self._hold(key, value):
-            self._set_file(key, value)
+        self._put(key, value)
 
     def delete_sync(self, key: str) -> None:
         self.resolve(key)
-        self._forget(key)
-        self._delete_file(key)
+        self._check_links(key.split("/")[:-1], key)
+        super().delete_sync(key)
 
     async def set(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if not self._hold(key, value):
-            await asyncio.to_thread(self._set_file, key, value)
+        await asyncio.to_thread(self._put, key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self.resolve(key)
-        if not self._hold(key, value, keep=True):
-            self._check_links(key.split("/")[:-1], key)
-            await super().set_if_not_exists(key, value)
-        elif not await self.exists(key):
-            self._hold(key, value)
+        self._check_links(key.split("/")[:-1], key)
+        await super().set_if_not_exists(key, value)
 
     async def delete(self, key: str) -> None:
         self.resolve(key)
-        self._forget(key)
         await self._ensure_open()
-        await asyncio.to_thread(self._delete_file, key)
+        await asyncio.to_thread(self.delete_sync, key)
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
@@ -584,7 +238,6 @@ class GdsStore(LocalStore):
         if prefix:
             self.resolve(prefix)
             self._check_links(prefix.split("/")[:-1], prefix)  # the prefix: remove_tree
-        self._forget(prefix)
         path = self.root / prefix
         if path.is_dir():
             await asyncio.to_thread(_local.remove_tree, str(path))
@@ -593,8 +246,6 @@ class GdsStore(LocalStore):
 
     async def clear(self) -> None:
         self._check_writable()
-        if self._deferred is not None:
-            self._deferred.keys.clear()
 
         def clear_root() -> None:
             _local.remove_tree(str(self.root))
@@ -604,46 +255,11 @@ class GdsStore(LocalStore):
 
     async def exists(self, key: str) -> bool:
         self.resolve(key)
-        if self._held(key) is not None:
-            return True
         return await super().exists(key)
 
     async def getsize(self, key: str) -> int:
         self.resolve(key)
-        held = self._held(key)
-        if held is not None:
-            return len(held)
         return await super().getsize(key)
-
-    async def list(self) -> AsyncIterator[str]:
-        async for key in self._and_held(super().list(), ""):
-            yield key
-
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        async for key in self._and_held(super().list_prefix(prefix), prefix):
-            yield key
-
-    async def _and_held(self, on_disk: AsyncIterator[str], prefix: str) -> AsyncIterator[str]:
-        """The keys of ``on_disk``, then the held keys below ``prefix`` not among them."""
-        seen = set()
-        async for key in on_disk:
-            seen.add(key)
-            yield key
-        for key in self._held_keys(prefix):
-            if key not in seen:
-                yield key
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        seen = set()
-        async for name in super().list_dir(prefix):
-            seen.add(name)
-            yield name
-        for key in self._held_keys(prefix):
-            name = key[len(base) :].split("/", 1)[0]
-            if name not in seen:
-                seen.add(name)
-                yield name
 
     def __repr__(self) -> str:
         return f"GdsStore('{self}')"

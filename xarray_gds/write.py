@@ -89,10 +89,12 @@ def to_zarr(
         Variables may be numpy, CuPy, dask (of numpy or CuPy blocks), or lazily loaded
         by ``engine="gds-zarr"``.
     store : str, path or zarr Store
-        A local directory is written through :class:`~xarray_gds.store.GdsStore`;
-        other stores (URLs such as ``"s3://..."``, zarr Store objects) through
-        :class:`~xarray_gds.deferred.HeldMetadataStore`, which writes the metadata
-        after the chunks it describes. An Icechunk session's store
+        A local directory is written through :class:`~xarray_gds.store.GdsStore`,
+        URLs such as ``"s3://..."`` through the engine's remote stores; every store
+        (those and zarr Store objects) is wrapped in
+        :class:`~xarray_gds.deferred.HeldMetadataStore`, which holds the writer lock,
+        writes the metadata after the chunks it describes and cleans up after a
+        failed write. An Icechunk session's store
         (``session.store``) is written as zarr writes it: Icechunk checks chunk keys
         against the metadata, and the session's commit publishes the write whole (or
         nothing, if it is never committed).
@@ -144,28 +146,18 @@ def to_zarr(
         # the metadata: written in the order zarr writes them, nothing held back
         with writing_to(store, levels):
             return prepared.to_zarr(store, **kwargs)
-    if not isinstance(store, GdsStore):
-        # any other zarr Store (S3, HTTP, memory): metadata held back the same way
-        held = HeldMetadataStore(store, lock_timeout=lock_timeout)
-        try:
-            with writing_to(held, levels):
-                result = prepared.to_zarr(held, **kwargs)
-        except BaseException:
-            held.discard()
-            raise
-        held.flush()
-        return result
-    # metadata goes to disk after the data it describes (see GdsStore.defer_metadata);
-    # with compute=False after what this call writes, as xarray writes it at once (a
-    # store initialised with compute=False is the template of later region writes)
-    store.defer_metadata(lock_timeout)
+    # every other store: metadata goes to it after the data it describes (see
+    # xarray_gds.deferred); with compute=False after what this call writes, as xarray
+    # writes it at once (a store initialised with compute=False is the template of
+    # later region writes)
+    held = HeldMetadataStore(store, lock_timeout=lock_timeout)
     try:
-        with writing_to(store, levels):
-            result = prepared.to_zarr(store, **kwargs)
+        with writing_to(held, levels):
+            result = prepared.to_zarr(held, **kwargs)
     except BaseException:
-        store.discard_metadata()
+        held.discard()
         raise
-    store.flush_metadata()
+    held.flush()
     return result
 
 
