@@ -19,6 +19,7 @@ from xarray_gds import coalesce, decode, pipeline
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, crc32c, plan_chain
 from xarray_gds.codecs.filters import Undelta, Unshuffle
 from xarray_gds.errors import ChunkDecodeError
+from xarray_gds.place import place
 
 from .conftest import STORE_CASES, to_numpy
 
@@ -319,15 +320,15 @@ def test_whole_chunks_are_tiled_in_one_copy(
         path, zarr_format=3, encoding={"v": {"chunks": (4, 3, 5)}}
     )
     tiled: list[bool] = []
-    real = pipeline._tile
+    real = pipeline._tiling
 
-    def spy(target: Any, *args: Any) -> bool:
+    def spy(target: Any, *args: Any) -> Any:
         done = real(target, *args)
         if target.shape in ((8, 12, 10), (4, 7, 10)):  # this test's reads only
-            tiled.append(done)
+            tiled.append(done is not None)
         return done
 
-    monkeypatch.setattr(pipeline, "_tile", spy)
+    monkeypatch.setattr(pipeline, "_tiling", spy)
     # the pipeline's own read (zarr's indexing: reads that are not boxes, reads of writes)
     monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
@@ -351,12 +352,14 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
         (None, None, (), (slice(r * 2, r * 2 + 2), slice(c * 3, c * 3 + 3)), True) for r, c in cells
     ]
     target = np.zeros_like(whole)
-    assert pipeline._tile(target, chunks, entries, (), np)
+    tiling = pipeline._tiling(target, chunk, entries, ())
+    assert tiling is not None and tiling.grid == (2, 3)
+    n = len(cells)
+    place(target, chunks, list(range(n)), n, lambda k: (entries[k][3], ()), 0, False, tiling=tiling)
     np.testing.assert_array_equal(target, whole)
-    assert chunks.shape[1:] == chunk
     # an entry that is not a whole chunk disqualifies the batch
     entries[0] = (*entries[0][:4], False)
-    assert not pipeline._tile(np.zeros_like(whole), chunks, entries, (), np)
+    assert pipeline._tiling(np.zeros_like(whole), chunk, entries, ()) is None
 
 
 def _t2m_part(keys: Any) -> int | None:

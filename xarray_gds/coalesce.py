@@ -44,6 +44,7 @@ from xarray_gds import config, decode, route, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, parallel
 from xarray_gds.codecs import DecodeChain
+from xarray_gds.place import STREAMED
 from xarray_gds.request import Decoded, ReadRequest
 
 __all__ = [
@@ -384,10 +385,6 @@ def _request(asked: ReadRequest) -> _Request:
         (ranges.starts, ranges.sizes),
         sink=asked.sink,
     )
-
-
-#: The chunks of a result whose chunks went to its request's sink.
-STREAMED: Any = object()
 
 
 def fetch_decode(request: ReadRequest) -> Decoded:

@@ -29,7 +29,6 @@ __all__ = [
     "Picked",
     "decode_staged",
     "part_chunks",
-    "untile",
 ]
 
 
@@ -209,20 +208,13 @@ def decode_staged(
     return present, chain.finish(data, cp)
 
 
-def untile(chunks: Any, grid: tuple[int, ...], shape: tuple[int, ...]) -> Any:
-    """Chunks ``(n, *chunk_shape)`` in C order of ``grid`` as one array of ``shape``."""
-    ndim = len(grid)
-    axes = [a for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True) for a in pair]
-    return chunks.reshape((*grid, *chunks.shape[1:])).transpose(axes).reshape(shape)
-
-
 def decode_fetched(
     chain: DecodeChain, fetched: Any, keys: Sequence[str], on_device: bool
 ) -> Decoded:
     """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
     whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
     order; ``None`` when no chunk exists). ``fetched`` is what
-    :meth:`GdsStore.read_chunks` returns for ``keys`` on that side."""
+    a source's read returns for ``keys`` on that side (:mod:`xarray_gds.sources`)."""
     xp = _device.array_module("cuda" if on_device else "cpu")
     if on_device:
         present = np.flatnonzero(fetched.sizes >= 0).tolist()

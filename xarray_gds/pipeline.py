@@ -42,6 +42,7 @@ from xarray_gds.codecs.encode import (
     plan_encode,
 )
 from xarray_gds.errors import ChunkDecodeError, HostRouteWarning, warn
+from xarray_gds.place import Tiling, place
 from xarray_gds.request import ByteRanges, Decoded, ReadRequest
 from xarray_gds.store import GdsStore
 
@@ -551,71 +552,77 @@ def _assemble_shards(
         raise ChunkDecodeError(
             plan.keys[lost], "sharding_indexed", "the shard vanished while it was read"
         )
-    # assemble each shard, then scatter the selection into the output; the plan is
-    # sorted by shard, so each shard's inner chunks are one slice of it
-    target = out.as_ndarray_like()
+    # assemble each shard from its inner chunks (the plan is sorted by shard, so each
+    # shard's inner chunks are one slice of it), then place the shards' selections
     bounds = np.searchsorted(plan.shard, np.arange(len(part) + 1))
-    n_inner = math.prod(grid)
-    results: list[GetResult] = []
-    for s, (_, spec, chunk_sel, out_sel, _) in enumerate(part):
+    whole = tuple(slice(0, s) for s in chain.shard_shape)
+    dtype = inner.dtype.newbyteorder("=")
+    shards: list[Any] = [None] * len(part)
+    for s, (_, spec, _, _, _) in enumerate(part):
         if indexes[s] is None:
-            target[out_sel] = fill_value_or_default(spec)
-            results.append(GetResult(status="missing"))
             continue
         j0, j1 = int(bounds[s]), int(bounds[s + 1])
-        if j1 - j0 == n_inner:
-            # every inner chunk present, in C order: one reshape/transpose builds the shard
-            shard = decode.untile(chunks[j0:j1], grid, chain.shard_shape)
-        else:
-            dtype = inner.dtype.newbyteorder("=")
-            shard = xp.full(chain.shard_shape, fill_value_or_default(spec), dtype=dtype)
-            for j in range(j0, j1):
-                g = np.unravel_index(int(plan.flat[j]), grid)
-                region = tuple(
-                    slice(int(i) * c, (int(i) + 1) * c)
-                    for i, c in zip(g, inner.chunk_shape, strict=True)
-                )
-                shard[region] = chunks[j]
-        value = shard[chunk_sel]
-        if drop_axes:
-            value = value.squeeze(axis=drop_axes)
-        target[out_sel] = value
-        results.append(GetResult(status="present"))
-    return results
+        shard = xp.empty(chain.shard_shape, dtype=dtype)
+        place(
+            shard,
+            None if chunks is None else chunks[j0:j1],
+            plan.flat[j0:j1].tolist(),  # the grid positions of the shard's inner chunks
+            math.prod(grid),
+            lambda k: (_inner_region(k, grid, inner.chunk_shape), ()),
+            fill_value_or_default(spec),
+            on_device,
+            tiling=Tiling(grid, whole, whole),
+        )
+        shards[s] = shard
+    found = [s for s in range(len(part)) if shards[s] is not None]
+    target = out.as_ndarray_like()
+    place(
+        target,
+        [shards[s] for s in found],
+        found,
+        len(part),
+        lambda s: (part[s][3], part[s][2]),
+        fill_value_or_default(part[0][1]),
+        on_device,
+        drop_axes=drop_axes,
+    )
+    return [GetResult(status="present" if sh is not None else "missing") for sh in shards]
 
 
-def _tile(
-    target: Any, chunks: Any, entries: list[Any], drop_axes: tuple[int, ...], xp: Any
-) -> bool:
-    """Copy whole chunks that tile ``target`` exactly with one reshape (one kernel)
-    instead of one copy per chunk. Returns False when the batch does not qualify."""
+def _inner_region(k: int, grid: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """Where inner chunk ``k`` (C order of ``grid``) lies in its shard."""
+    at = np.unravel_index(k, grid)
+    return tuple(slice(int(i) * c, (int(i) + 1) * c) for i, c in zip(at, chunk_shape, strict=True))
+
+
+def _tiling(
+    target: Any, chunk_shape: tuple[int, ...], entries: list[Any], drop_axes: tuple[int, ...]
+) -> Tiling | None:
+    """How whole chunks that tile ``target`` exactly are placed with one reshape (one
+    kernel) instead of one copy a chunk; None when the batch does not qualify."""
     if drop_axes or len(entries) < 2 or not all(e[4] for e in entries):
-        return False
-    chunk_shape = chunks.shape[1:]
+        return None
     if len(chunk_shape) != target.ndim:
-        return False
+        return None
     starts = []
     for _, _, _, out_sel, _ in entries:
         if not all(isinstance(s, slice) and s.step in (None, 1) for s in out_sel):
-            return False
+            return None
         starts.append([s.start or 0 for s in out_sel])
     origin = np.asarray(starts, dtype=np.int64)
     if np.any(origin % chunk_shape):
-        return False
+        return None
     cells = origin // chunk_shape
     grid = tuple(int(g) for g in cells.max(axis=0) + 1)
     if math.prod(grid) != len(entries) or tuple(
         g * c for g, c in zip(grid, chunk_shape, strict=True)
     ) != tuple(target.shape):
-        return False
+        return None
     order = np.ravel_multi_index(tuple(cells.T), grid)
     if len(np.unique(order)) != len(entries):
-        return False
-    perm = np.argsort(order)
-    if np.any(perm != np.arange(len(perm))):
-        chunks = chunks[xp.asarray(perm)]
-    target[...] = decode.untile(chunks, grid, tuple(target.shape))
-    return True
+        return None
+    whole = tuple(slice(0, s) for s in target.shape)
+    return Tiling(grid, whole, whole, None if np.all(np.diff(order) == 1) else order)
 
 
 def _scatter(
@@ -627,35 +634,26 @@ def _scatter(
     on_device: bool,
 ) -> tuple[GetResult, ...]:
     """Place the decoded chunks of ``batch`` (``present``: which exist) in ``out``, the
-    fill value where a chunk is missing."""
-    xp = _device.array_module("cuda" if on_device else "cpu")
+    fill value where a chunk is missing (:func:`xarray_gds.place.place`)."""
     target = out.as_ndarray_like()
-    if present:
-        entries = [batch[i] for i in present]
-
-        def one(j: int) -> None:
-            _, _, chunk_sel, out_sel, _ = entries[j]
-            value = chunks[j][chunk_sel]
-            if drop_axes:
-                value = value.squeeze(axis=drop_axes)
-            target[out_sel] = value
-
-        if not on_device:
-            # a copy per chunk on the pool (numpy copies run without the GIL): one
-            # transposing copy of the whole output was 2x slower than the decode
-            host.parallel(one, len(entries))
-        elif not _tile(target, chunks, entries, drop_axes, xp):
-            for j in range(len(entries)):
-                one(j)
-    present_set = set(present)
-    results: list[GetResult] = []
-    for i, (_, spec, _, out_sel, _) in enumerate(batch):
-        if i in present_set:
-            results.append(GetResult(status="present"))
-        else:
-            target[out_sel] = fill_value_or_default(spec)
-            results.append(GetResult(status="missing"))
-    return tuple(results)
+    tiling = None
+    if on_device and present and len(present) == len(batch):
+        tiling = _tiling(target, tuple(chunks.shape[1:]), batch, drop_axes)
+    place(
+        target,
+        chunks,
+        present,
+        len(batch),
+        lambda k: (batch[k][3], batch[k][2]),
+        fill_value_or_default(batch[0][1]),
+        on_device,
+        tiling=tiling,
+        drop_axes=drop_axes,
+    )
+    found = set(present)
+    return tuple(
+        GetResult(status="present" if i in found else "missing") for i in range(len(batch))
+    )
 
 
 def _host_batched_writes() -> bool:
@@ -790,14 +788,15 @@ async def _write_batched(
 async def _store_jobs(jobs: list[tuple[Any, Any]]) -> None:
     """Write (or delete, for ``None``) every chunk of a part."""
     store = jobs[0][0].store
-    if isinstance(store, GdsStore):  # one write per thread of the pool, GIL released
+    # one write per thread of the pool, GIL released (a local store, held for the write)
+    if isinstance(getattr(store, "store", store), GdsStore):
         keys = [bs.path for bs, _ in jobs]
         await _offload(_store_all, store, keys, [b for _, b in jobs])
     else:
         await concurrent_map(jobs, _store_one, zarr.config.get("async.concurrency"))
 
 
-def _store_all(store: GdsStore, keys: list[str], buffers: list[Any]) -> None:
+def _store_all(store: Any, keys: list[str], buffers: list[Any]) -> None:
     def one(i: int) -> None:
         if buffers[i] is None:
             store.delete_sync(keys[i])

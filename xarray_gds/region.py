@@ -20,7 +20,8 @@ import numpy as np
 
 from xarray_gds import coalesce, decode
 from xarray_gds import device as _device
-from xarray_gds.codecs import DecodeChain, host
+from xarray_gds.codecs import DecodeChain
+from xarray_gds.place import Tiling, place
 from xarray_gds.request import Decoded, ReadRequest, Sink
 
 __all__ = ["box_bounds", "is_box_key", "read_box", "read_boxes"]
@@ -277,49 +278,34 @@ class _Reader:
 
     def place(self, out: Any, r0: int, r1: int, decoded: Decoded) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
-        ``out``; ``decoded`` is what :func:`xarray_gds.decode.decode_fetched` returns for them."""
-        chain, box, xp = self.chain, self.box, self.xp
+        ``out`` (:func:`xarray_gds.place.place`); ``decoded`` is what
+        :func:`xarray_gds.decode.decode_fetched` returns for them."""
+        box, cs = self.box, self.chain.chunk_shape
         present, chunks = decoded
-        row = math.prod(box.grid[1:])  # chunks a row
-        n_keys = (r1 - r0) * row
-        if chunks is coalesce.STREAMED:  # placed by the sink: the fill value where missing
-            for k in sorted(set(range(n_keys)) - set(present)):
-                out[self._where(r0, k)[0]] = self.fill
-            return
-        if len(present) < n_keys:  # missing chunks read as the fill value
-            whole = xp.full((n_keys, *chain.chunk_shape), self.fill, dtype=out.dtype)
-            if present:
-                whole[xp.asarray(present)] = chunks
-            chunks = whole
-        cs = chain.chunk_shape
-
-        def rows(a: int, b: int) -> None:
-            """Copy chunk rows ``r0 + a .. r0 + b`` of the box into ``out``."""
-            grid = (b - a, *box.grid[1:])
-            block = decode.untile(
-                chunks[a * row : b * row], grid, tuple(g * c for g, c in zip(grid, cs, strict=True))
-            )
-            origin = [(box.lo[0] + r0 + a) * cs[0]]  # of the block, in the array
-            origin += [low * c for low, c in zip(box.lo[1:], cs[1:], strict=True)]
-            first = max(box.start[0], origin[0])
-            last = min(box.stop[0], origin[0] + grid[0] * cs[0])
-            src = [slice(first - origin[0], last - origin[0])]
-            src += [
-                slice(a_ - o, b_ - o)
-                for a_, b_, o in zip(box.start[1:], box.stop[1:], origin[1:], strict=True)
-            ]
-            out[first - box.start[0] : last - box.start[0]] = block[tuple(src)]
-
-        n_rows = r1 - r0
-        if self.on_device:
-            rows(0, n_rows)
-        elif n_rows < 4 and n_keys > 1:  # few rows of several chunks: one chunk a task
-
-            def one(k: int) -> None:
-                self.place_one(out, r0, k, chunks[k])
-
-            host.parallel(one, n_keys, min_items=2 if chain.nbytes >= 256 << 10 else 4)
-        elif n_rows == 1:
-            rows(0, n_rows)
-        else:  # numpy copies run without the GIL: one row of chunks a task
-            host.parallel(lambda i: rows(i, i + 1), n_rows)
+        grid = (r1 - r0, *box.grid[1:])
+        n_keys = math.prod(grid)
+        # the block the rows' chunks tile, in the array's coordinates
+        origin = [(box.lo[0] + r0) * cs[0]]
+        origin += [low * c for low, c in zip(box.lo[1:], cs[1:], strict=True)]
+        first = max(box.start[0], origin[0])
+        last = min(box.stop[0], origin[0] + grid[0] * cs[0])
+        window: tuple[slice, ...] = (slice(first - box.start[0], last - box.start[0]),)
+        window += tuple(slice(0, b - a) for a, b in zip(box.start[1:], box.stop[1:], strict=True))
+        crop: tuple[slice, ...] = (slice(first - origin[0], last - origin[0]),)
+        crop += tuple(
+            slice(a - o, b - o)
+            for a, b, o in zip(box.start[1:], box.stop[1:], origin[1:], strict=True)
+        )
+        # few rows of several chunks on the host: a chunk a task beats a row a task
+        few_rows = not self.on_device and grid[0] < 4 and n_keys > 1
+        tiling = None if few_rows else Tiling(grid, window, crop)
+        place(
+            out,
+            chunks,
+            present,
+            n_keys,
+            lambda k: self._where(r0, k),
+            self.fill,
+            self.on_device,
+            tiling=tiling,
+        )

@@ -23,7 +23,7 @@ Sink = Callable[[int, Any], None]
 
 #: What a request gets back: the indices (into its keys) of the chunks that exist, and
 #: their decoded values as :func:`xarray_gds.decode.decode_fetched` returns them (or
-#: :data:`xarray_gds.coalesce.STREAMED` where a sink took them)
+#: :data:`xarray_gds.place.STREAMED` where a sink took them)
 Decoded = tuple[list[int], Any]
 
 
@@ -66,7 +66,7 @@ class ReadRequest:
     sink : Sink, optional
         Takes each decoded chunk as soon as it is decoded (host reads of large local
         chunks are then streamed chunk by chunk; the result holds
-        :data:`xarray_gds.coalesce.STREAMED` in place of the chunks).
+        :data:`xarray_gds.place.STREAMED` in place of the chunks).
     """
 
     store: Any

@@ -400,10 +400,15 @@ class ReferenceSource(Source):
 
 
 def source_for(store: Any) -> Source:
-    """The source of a zarr Store's chunk bytes."""
+    """The source of a zarr Store's chunk bytes (of the store it wraps, for a store
+    whose metadata is held during a write: chunks are never held)."""
     from xarray_gds import remote
+    from xarray_gds.deferred import HeldMetadataStore
     from xarray_gds.refs import ReferenceStore
     from xarray_gds.store import GdsStore
+
+    if isinstance(store, HeldMetadataStore):
+        store = store.store
 
     if isinstance(store, ReferenceStore):
         return ReferenceSource(store)
