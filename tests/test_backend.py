@@ -299,3 +299,13 @@ def test_package_import_loads_no_cuda_library() -> None:
 def test_public_names() -> None:
     for name in xarray_gds.__all__:
         assert hasattr(xarray_gds, name)
+
+
+def test_open_groups_takes_open_datasets_arguments_only(v3_store: Path) -> None:
+    """open_datatree / open_groups take what open_dataset takes (but store=), and a
+    misspelt name raises TypeError naming it."""
+    with pytest.raises(TypeError, match="decode_time"):
+        xr.open_groups(v3_store, engine="gds-zarr", device="cpu", decode_time=False)
+    tree = xr.open_datatree(v3_store, engine="gds-zarr", device="cpu", decode_times=False)
+    ref = xr.open_datatree(v3_store, engine="zarr", decode_times=False)
+    xr.testing.assert_identical(tree.to_dataset().load(), ref.to_dataset().load())

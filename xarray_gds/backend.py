@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -176,41 +177,87 @@ def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> b
     return False
 
 
-def _open_zarr_stores(
-    store: Store,
-    *,
+#: arguments of open_dataset that xarray's CF decoding takes
+_DECODERS = (
+    "mask_and_scale",
+    "decode_times",
+    "concat_characters",
+    "decode_coords",
+    "drop_variables",
+    "use_cftime",
+    "decode_timedelta",
+)
+#: arguments of open_dataset that say how the store is opened
+_OPEN_ARGUMENTS = (
+    "mode",
+    "consolidated",
+    "storage_options",
+    "zarr_format",
+    "use_zarr_fill_value_as_mask",
+    "cache_members",
+)
+
+
+def _bind(open_dataset: Any, filename_or_obj: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of ``open_dataset`` for these (defaults filled in); a name it does
+    not take raises TypeError naming it, as a call of it would."""
+    if kwargs.get("store") is not None:
+        raise TypeError("store= is not taken when opening groups; pass the store itself")
+    bound = inspect.signature(open_dataset).bind(filename_or_obj, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _open_stores(
+    filename_or_obj: Any,
     group: str | None,
+    *,
     mode: str,
     consolidated: bool | None,
     storage_options: dict[str, Any] | None,
-    zarr_format: int | None,
-    use_zarr_fill_value_as_mask: bool | None,
-    cache_members: bool,
     all_groups: bool,
+    **kwargs: Any,
+) -> tuple[str | None, dict[str, ZarrStore]]:
+    """The group path in the store (``group`` resolved against a zarr Group given as
+    ``filename_or_obj``), and the xarray ZarrStores of ``filename_or_obj`` (a path, URL,
+    Store, zarr Group or set of kerchunk references): that group, and the groups below
+    it if ``all_groups``."""
+    if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
+        filename_or_obj, consolidated = refs.open_reference_store(
+            filename_or_obj, mode, storage_options, consolidated
+        )
+        storage_options = None
+    source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
+    root = group
+    if all_groups:  # the root of the groups, as a path from the store's root
+        root = str(NodePath("/") / NodePath(group)) if group else "/"
+    return group, _open_zarr_stores(
+        source,
+        group=root,
+        mode=mode,
+        consolidated=consolidated,
+        storage_options=_passed_on(filename_or_obj, storage_options),
+        all_groups=all_groups,
+        **kwargs,
+    )
+
+
+def _open_zarr_stores(
+    store: Store, *, group: str | None, all_groups: bool, **kwargs: Any
 ) -> dict[str, ZarrStore]:
-    """xarray ZarrStores for ``group``, and its subgroups if ``all_groups``; the
-    arguments mean what they mean to ``ZarrStore.open_group`` (engine="zarr")."""
+    """xarray ZarrStores for ``group``, and its subgroups if ``all_groups``; the other
+    arguments (:data:`_OPEN_ARGUMENTS`) mean what they mean to
+    ``ZarrStore.open_group`` (engine="zarr")."""
+    zarr_format, consolidated = kwargs["zarr_format"], kwargs["consolidated"]
     if zarr_format not in (None, 2, 3):
         raise ValueError(f"zarr_format must be 2, 3 or None, got {zarr_format!r}")
-    if consolidated not in (None, True, False):
-        raise TypeError(f"consolidated must be True, False or None, got {consolidated!r}")
-    if use_zarr_fill_value_as_mask not in (None, True, False):
-        raise TypeError(
-            "use_zarr_fill_value_as_mask must be True, False or None, got "
-            f"{use_zarr_fill_value_as_mask!r}"
-        )
+    for name in ("consolidated", "use_zarr_fill_value_as_mask"):
+        if kwargs[name] not in (None, True, False):
+            raise TypeError(f"{name} must be True, False or None, got {kwargs[name]!r}")
     if consolidated is None:
-        consolidated = _consolidated(store, group, zarr_format)
-    kwargs: dict[str, Any] = dict(
-        mode=mode,
-        group=group,
-        consolidated=consolidated,
-        consolidate_on_close=False,
-        storage_options=storage_options,
-        zarr_format=zarr_format,
-        use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
-        cache_members=bool(cache_members),
-    )
+        kwargs["consolidated"] = _consolidated(store, group, zarr_format)
+    kwargs.update(group=group, consolidate_on_close=False)
+    kwargs["cache_members"] = bool(kwargs["cache_members"])
     try:
         if all_groups:
             return ZarrStore.open_store(store, **kwargs)
@@ -249,34 +296,18 @@ def placement(name: str, variable: xr.Variable) -> _device.Device | None:
 
 
 def _dataset_from_store(
-    zstore: ZarrStore,
-    device: _device.Device,
-    *,
-    mask_and_scale: bool | Mapping[str, bool],
-    decode_times: Any,
-    concat_characters: Any,
-    decode_coords: Any,
-    drop_variables: str | Iterable[str] | None,
-    use_cftime: Any,
-    decode_timedelta: Any,
+    zstore: ZarrStore, device: _device.Device, decoders: dict[str, Any]
 ) -> xr.Dataset:
+    """The dataset of one group: xarray's CF decoding (``decoders``: the arguments of
+    open_dataset named in :data:`_DECODERS`), numeric variables read by the engine."""
     config.validate()
     fuse.install()  # the engine's arrays are made here: dask's pass comes with them
     raw_vars, attrs = zstore.load()
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given
     raw_attrs = {name: dict(var.attrs) for name, var in raw_vars.items()}
-    decoded, attrs, coord_names = conventions.decode_cf_variables(
-        raw_vars,
-        attrs,
-        mask_and_scale=mask_and_scale,
-        decode_times=decode_times,
-        concat_characters=concat_characters,
-        decode_coords=decode_coords,
-        drop_variables=drop_variables,
-        use_cftime=use_cftime,
-        decode_timedelta=decode_timedelta,
-    )
+    decoded, attrs, coord_names = conventions.decode_cf_variables(raw_vars, attrs, **decoders)
+    mask_and_scale = decoders["mask_and_scale"]
     members = zstore.members
     ahead = ReadAhead()  # a loop over the variables reads them in one batch
     data_vars: dict[str, xr.Variable] = {}
@@ -332,22 +363,11 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
     supports_groups = True
     open_dataset_parameters = (
         "filename_or_obj",
-        "mask_and_scale",
-        "decode_times",
-        "concat_characters",
-        "decode_coords",
-        "drop_variables",
-        "use_cftime",
-        "decode_timedelta",
+        *_DECODERS,
         "group",
-        "mode",
-        "consolidated",
-        "storage_options",
-        "zarr_format",
+        *_OPEN_ARGUMENTS,
         "store",
         "engine",
-        "use_zarr_fill_value_as_mask",
-        "cache_members",
         "device",
     )
 
@@ -439,6 +459,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             Where numeric variables are placed. ``None`` uses the GPU when one is
             usable and otherwise warns once and reads on the host.
         """
+        given = locals()  # the arguments, before any other name is bound
         dev = _device.resolve_device(device)
         if store is not None:
             if not isinstance(store, ZarrStore):
@@ -448,100 +469,30 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
                 )
             zstore = store
         else:
-            if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
-                filename_or_obj, consolidated = refs.open_reference_store(
-                    filename_or_obj, mode, storage_options, consolidated
-                )
-                storage_options = None
-            source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
-            (zstore,) = _open_zarr_stores(
-                source,
-                group=group,
-                mode=mode,
-                consolidated=consolidated,
-                storage_options=_passed_on(filename_or_obj, storage_options),
-                zarr_format=zarr_format,
-                use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
-                cache_members=cache_members,
-                all_groups=False,
-            ).values()
+            opening = {name: given[name] for name in _OPEN_ARGUMENTS}
+            _, stores = _open_stores(filename_or_obj, group, **opening, all_groups=False)
+            (zstore,) = stores.values()
         with close_on_error(zstore):
-            return _dataset_from_store(
-                zstore,
-                dev,
-                mask_and_scale=mask_and_scale,
-                decode_times=decode_times,
-                concat_characters=concat_characters,
-                decode_coords=decode_coords,
-                drop_variables=drop_variables,
-                use_cftime=use_cftime,
-                decode_timedelta=decode_timedelta,
-            )
+            return _dataset_from_store(zstore, dev, {name: given[name] for name in _DECODERS})
 
     def open_groups_as_dict(  # type: ignore[override]
-        self,
-        filename_or_obj: str | os.PathLike[str] | Store | zarr.Group,
-        *,
-        mask_and_scale: bool | Mapping[str, bool] = True,
-        decode_times: Any = True,
-        concat_characters: Any = True,
-        decode_coords: Any = True,
-        drop_variables: str | Iterable[str] | None = None,
-        use_cftime: Any = None,
-        decode_timedelta: Any = None,
-        group: str | None = None,
-        mode: str = "r",
-        consolidated: bool | None = None,
-        storage_options: dict[str, Any] | None = None,
-        zarr_format: int | None = None,
-        use_zarr_fill_value_as_mask: bool | None = None,
-        cache_members: bool = True,
-        device: str | None = None,
+        self, filename_or_obj: str | os.PathLike[str] | Store | zarr.Group, **kwargs: Any
     ) -> dict[str, xr.Dataset]:
         """Open ``group`` and every group below it; keys are paths relative to it.
 
-        Parameters
-        ----------
-        filename_or_obj : str, os.PathLike, zarr.abc.store.Store or zarr.Group
-            As for :meth:`open_dataset`.
-        mask_and_scale, decode_times, concat_characters, decode_coords, drop_variables,
-        use_cftime, decode_timedelta, group, mode, consolidated, storage_options,
-        zarr_format, use_zarr_fill_value_as_mask, cache_members, device
-            As for :meth:`open_dataset`; ``group`` is the root of the groups opened.
+        Takes every argument of :meth:`open_dataset` but ``store``, with the same
+        meaning; ``group`` is the root of the groups opened.
         """
-        dev = _device.resolve_device(device)
-        if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
-            filename_or_obj, consolidated = refs.open_reference_store(
-                filename_or_obj, mode, storage_options, consolidated
-            )
-            storage_options = None
-        source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
+        args = _bind(self.open_dataset, filename_or_obj, kwargs)
+        dev = _device.resolve_device(args["device"])
+        opening = {name: args[name] for name in _OPEN_ARGUMENTS}
+        group, stores = _open_stores(filename_or_obj, args["group"], **opening, all_groups=True)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
-        stores = _open_zarr_stores(
-            source,
-            group=parent,
-            mode=mode,
-            consolidated=consolidated,
-            storage_options=_passed_on(filename_or_obj, storage_options),
-            zarr_format=zarr_format,
-            use_zarr_fill_value_as_mask=use_zarr_fill_value_as_mask,
-            cache_members=cache_members,
-            all_groups=True,
-        )
+        decoders = {name: args[name] for name in _DECODERS}
         out: dict[str, xr.Dataset] = {}
         for path, zstore in stores.items():
             with close_on_error(zstore):
-                ds = _dataset_from_store(
-                    zstore,
-                    dev,
-                    mask_and_scale=mask_and_scale,
-                    decode_times=decode_times,
-                    concat_characters=concat_characters,
-                    decode_coords=decode_coords,
-                    drop_variables=drop_variables,
-                    use_cftime=use_cftime,
-                    decode_timedelta=decode_timedelta,
-                )
+                ds = _dataset_from_store(zstore, dev, decoders)
             key = str(NodePath(path).relative_to(parent)) if group else str(NodePath(path))
             out[key] = ds
         return out
@@ -553,3 +504,14 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         return datatree_from_dict_with_io_cleanup(
             self.open_groups_as_dict(filename_or_obj, **kwargs)
         )
+
+
+def _groups_signature() -> inspect.Signature:
+    """open_dataset's signature less ``store`` and ``engine``: what open_groups_as_dict
+    takes (through ``**kwargs``) and what ``help`` and ``inspect`` show for it."""
+    full = inspect.signature(GdsZarrBackendEntrypoint.open_dataset)
+    kept = [p for name, p in full.parameters.items() if name not in ("store", "engine")]
+    return full.replace(parameters=kept, return_annotation="dict[str, xr.Dataset]")
+
+
+GdsZarrBackendEntrypoint.open_groups_as_dict.__signature__ = _groups_signature()  # type: ignore[attr-defined]

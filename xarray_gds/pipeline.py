@@ -575,16 +575,8 @@ def _assemble_shards(
         )
         shards[s] = shard
     found = [s for s in range(len(part)) if shards[s] is not None]
-    target = out.as_ndarray_like()
-    place(
-        target,
-        [shards[s] for s in found],
-        found,
-        len(part),
-        lambda s: (part[s][3], part[s][2]),
-        fill_value_or_default(part[0][1]),
-        on_device,
-        drop_axes=drop_axes,
+    _place_entries(
+        out.as_ndarray_like(), [shards[s] for s in found], found, part, on_device, drop_axes
     )
     return [GetResult(status="present" if sh is not None else "missing") for sh in shards]
 
@@ -593,6 +585,31 @@ def _inner_region(k: int, grid: tuple[int, ...], chunk_shape: tuple[int, ...]) -
     """Where inner chunk ``k`` (C order of ``grid``) lies in its shard."""
     at = np.unravel_index(k, grid)
     return tuple(slice(int(i) * c, (int(i) + 1) * c) for i, c in zip(at, chunk_shape, strict=True))
+
+
+def _place_entries(
+    target: Any,
+    chunks: Any,
+    present: list[int],
+    entries: list[Any],
+    on_device: bool,
+    drop_axes: tuple[int, ...],
+    tiling: Tiling | None = None,
+) -> None:
+    """Place the chunks ``present`` of zarr's batch ``entries`` where its indexing says
+    (each entry's selection of the output and of its chunk), the fill value where a
+    chunk is missing."""
+    place(
+        target,
+        chunks,
+        present,
+        len(entries),
+        lambda k: (entries[k][3], entries[k][2]),
+        fill_value_or_default(entries[0][1]),
+        on_device,
+        tiling=tiling,
+        drop_axes=drop_axes,
+    )
 
 
 def _tiling(
@@ -639,17 +656,7 @@ def _scatter(
     tiling = None
     if on_device and present and len(present) == len(batch):
         tiling = _tiling(target, tuple(chunks.shape[1:]), batch, drop_axes)
-    place(
-        target,
-        chunks,
-        present,
-        len(batch),
-        lambda k: (batch[k][3], batch[k][2]),
-        fill_value_or_default(batch[0][1]),
-        on_device,
-        tiling=tiling,
-        drop_axes=drop_axes,
-    )
+    _place_entries(target, chunks, present, batch, on_device, drop_axes, tiling)
     found = set(present)
     return tuple(
         GetResult(status="present" if i in found else "missing") for i in range(len(batch))

@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 
+#: byte ranges to read: ``(starts, sizes)``, one of each a location
+Ranges = tuple[np.ndarray, np.ndarray]
+
+
 class Source:
     """Chunk bytes of one store: every read the engine makes goes through a source.
 
@@ -73,14 +77,11 @@ class Source:
 
     @staticmethod
     def read_ranges_all(
-        sources: Sequence[Any],
-        locations: list[Any],
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        on_device: bool,
+        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
-        """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner
-        chunks): a DeviceBatch when ``on_device``, else a HostBatch."""
+        """``sizes[i]`` bytes at ``starts[i]`` of every location (``ranges``: starts
+        and sizes; shards' inner chunks): a DeviceBatch when ``on_device``, else a
+        HostBatch."""
         raise NotImplementedError
 
     def read_one(self, location: Any) -> np.ndarray | None:
@@ -125,14 +126,11 @@ class LocalSource(Source):
 
     @staticmethod
     def read_ranges_all(
-        sources: Sequence[Any],
-        locations: list[Any],
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        on_device: bool,
+        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
         """``sizes[i]`` bytes at ``starts[i]`` of every location (shards' inner chunks):
         a DeviceBatch when ``on_device``, else a list of arrays."""
+        starts, sizes = ranges
         from xarray_gds.io.local import read_ranges_device, read_ranges_host
 
         if not on_device:
@@ -181,38 +179,47 @@ class StoreSource(Source):
 
     @staticmethod
     def read_ranges_all(
-        sources: Sequence[Any],
-        locations: list[Any],
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        on_device: bool,
+        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
-        """Byte ranges of keys through the stores' ``get``: ranges of one key less than
-        ``xarray_gds.range_gap`` bytes apart are read as one request (the inner chunks
-        of a shard, most often: one request a shard), all requests in flight at once."""
+        """Byte ranges of keys through each store's ``get_ranges`` (zarr's own joining
+        of ranges: those of one key less than ``xarray_gds.range_gap`` bytes apart are
+        read as one request, the inner chunks of a shard most often), every key in
+        flight at once. A key that is missing reads as missing ranges."""
         import zarr
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import cpu
         from zarr.core.common import concurrent_map
         from zarr.core.sync import sync
 
-        def get(picked: list[int], span_starts: np.ndarray, span_sizes: np.ndarray) -> list[Any]:
-            async def one(k: int) -> Any:
-                start = int(span_starts[k])
-                got = await sources[picked[k]].store.get(
-                    locations[picked[k]],
-                    prototype=cpu.buffer_prototype,
-                    byte_range=RangeByteRequest(start, start + int(span_sizes[k])),
-                )
-                return None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
+        starts, sizes = ranges
+        gap = int(config.get("range_gap"))
+        found: list[np.ndarray | None] = [None] * len(locations)
+        keys: dict[tuple[int, str], list[int]] = {}
+        for i, location in enumerate(locations):
+            keys.setdefault((id(sources[i].store), location), []).append(i)
 
-            async def every() -> list[Any]:
-                limit = zarr.config.get("async.concurrency")
-                return list(await concurrent_map([(k,) for k in range(len(picked))], one, limit))
+        async def one(members: list[int]) -> None:
+            store, key = sources[members[0]].store, locations[members[0]]
+            wanted = [
+                RangeByteRequest(int(starts[i]), int(starts[i]) + int(sizes[i])) for i in members
+            ]
+            try:
+                async for got in store.get_ranges(
+                    key, wanted, prototype=cpu.buffer_prototype, max_gap_bytes=gap
+                ):
+                    for j, buf in got:
+                        if buf is not None:
+                            found[members[j]] = np.asarray(buf.as_numpy_array()).view(np.uint8)
+            except* FileNotFoundError:  # the key is gone: its ranges are missing
+                for i in members:
+                    found[i] = None
 
-            return list(sync(every()))
+        async def every() -> None:
+            limit = zarr.config.get("async.concurrency")
+            await concurrent_map([(m,) for m in keys.values()], one, limit)
 
-        return _on_side(_read_joined(sources, locations, starts, sizes, get), on_device)
+        sync(every())
+        return _on_side(found, on_device)
 
 
 def _read_joined(
@@ -301,16 +308,13 @@ class RemoteSource(StoreSource):
 
     @staticmethod
     def read_ranges_all(
-        sources: Sequence[Any],
-        locations: list[Any],
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        on_device: bool,
+        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
         """Byte ranges of objects (inner chunks of shards), with the retries of
         :meth:`read_all`; a range that comes back short is an error, never data. Ranges
         less than ``xarray_gds.range_gap`` apart are read as one; on the device by kvikio
         (one handle an object), then each range copied to its own aligned slot."""
+        starts, sizes = ranges
         from xarray_gds import remote
 
         if on_device:
@@ -382,14 +386,11 @@ class ReferenceSource(Source):
 
     @staticmethod
     def read_ranges_all(
-        sources: Sequence[Any],
-        locations: list[Any],
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        on_device: bool,
+        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
         """Byte ranges of referenced chunks (inner chunks of a shard a reference points
         at): each reference narrowed to its range, then read as :meth:`read_all`."""
+        starts, sizes = ranges
         from xarray_gds.refs import narrow
 
         narrowed = [
@@ -436,7 +437,7 @@ def read(
         where = [locations[i] for i in idx.tolist()] if idx is not None else locations
         if ranges is not None:
             starts, sizes = ranges if idx is None else (ranges[0][idx], ranges[1][idx])
-            return reader.read_ranges_all(picked, where, starts, sizes, on_device)
+            return reader.read_ranges_all(picked, where, (starts, sizes), on_device)
         own_slots = slots if slots is None or idx is None else slots[idx]
         return reader.read_all(picked, where, on_device, own_slots)
 
