@@ -5,6 +5,7 @@ through the host runtime as numcodecs decodes it."""
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import numcodecs
@@ -112,9 +113,20 @@ def test_raw_streams_and_framing_round_trip(fmt: Any) -> None:
         np.testing.assert_array_equal(np.frombuffer(decoded, "u1"), row)
 
 
-def test_crc32c_round_trips() -> None:
-    data = np.arange(1000, dtype="<i4").view(np.uint8)
-    stored = np.frombuffer(CRC32C.numcodecs_codec().encode(data), dtype=np.uint8)
+def test_crc32c_round_trips(tmp_path: Path) -> None:
+    """A chunk zarr-python writes with its crc32c codec: the format's trailer is the
+    one stored, and the host strips it back to the chunk's bytes."""
+    values = np.arange(1000, dtype="<i4")
+    array = zarr.create_array(
+        tmp_path / "c.zarr",
+        shape=values.shape,
+        chunks=values.shape,
+        dtype=values.dtype,
+        compressors=[zarr.codecs.Crc32cCodec()],
+    )
+    array[:] = values
+    data = values.view(np.uint8)
+    stored = np.fromfile(tmp_path / "c.zarr" / "c" / "0", dtype=np.uint8)
     assert stored[-4:].tobytes() == CRC32C.trailer(data.tobytes())
     (body,) = host.strip_crc32c([stored], ["v/0"])
     np.testing.assert_array_equal(body, data)

@@ -23,7 +23,15 @@ class Crc32c(Format):
     """The crc32c checksum (see the module docstring)."""
 
     def numcodecs_codec(self, **options: Any) -> Any:
-        return numcodecs.CRC32C(**options)  # not numcodecs_class: no Zarr v2 compressor
+        # not numcodecs_class: no Zarr v2 compressor; numcodecs < 0.17 has it only
+        # with the optional crc32c package
+        codec = getattr(numcodecs, "CRC32C", None)
+        if codec is None:
+            raise ImportError(
+                f"numcodecs {numcodecs.__version__} has no CRC32C codec: install the "
+                "crc32c package or numcodecs >= 0.17"
+            )
+        return codec(**options)
 
     def claims(self, codec: Any) -> bool:
         """Whether ``codec`` (Zarr v3) appends this checksum."""
