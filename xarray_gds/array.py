@@ -445,3 +445,6 @@ class HostDecodedArray(BackendArray):
     async def async_getitem(self, key: indexing.ExplicitIndexer) -> Any:
         """``self[key]`` in a worker thread (xarray decodes these on the host)."""
         return await asyncio.to_thread(self.__getitem__, key)
+
+
+fuse.register(GdsBackendArray, read_many)  # the dask pass joins the block reads of these

@@ -30,6 +30,7 @@ __all__ = [
     "HostBatch",
     "PinnedStaging",
     "pack",
+    "offload",
     "pack_offsets",
     "parallel",
     "pool_threads",
@@ -95,6 +96,34 @@ def pack(arrays: list[Any]) -> DeviceBatch:
 def _pool() -> ThreadPoolExecutor:
     workers = config.get("host_threads") or min(32, os.cpu_count() or 1)
     return ThreadPoolExecutor(max_workers=max(1, int(workers)), thread_name_prefix="xarray-gds")
+
+
+#: threads of the read engine's own executor (:func:`offload`): calls beyond it queue,
+#: behind calls that run, so they are served in turn
+ENGINE_THREADS = 64
+
+
+@functools.cache
+def _engine_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(ENGINE_THREADS, thread_name_prefix="xarray-gds-read")
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_engine_threads.cache_clear)
+
+
+def offload(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+    """Run ``fn(*args)`` in the read engine's own threads.
+
+    zarr's codec pipeline runs on zarr's event loop, and an engine read blocks its
+    thread (waiting for the group it joined, or for the store reads it leads). Run in
+    the loop's default executor, a burst of such reads can take every worker while the
+    leader waits for a store read that needs one of them (zarr's ``LocalStore`` reads
+    through ``asyncio.to_thread``): a deadlock. These threads serve nothing else, and
+    whoever waits in them waits for a thread that runs, so they never run out of work
+    they need.
+    """
+    return _engine_threads().submit(fn, *args)
 
 
 def pool_threads() -> int:

@@ -34,7 +34,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,6 @@ __all__ = [
     "fetch_decode",
     "fetch_decode_many",
     "fetch_decode_parts",
-    "offload",
 ]
 
 
@@ -113,26 +112,6 @@ class ReadEngine:
         self.reader: object | None = None  #: the group whose files are being read
         self.decoders: set[object] = set()  #: the groups read and being decoded
         self.staging = PinnedStaging()
-        self._threads: ThreadPoolExecutor | None = None
-        self._threads_lock = threading.Lock()
-
-    def offload(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)`` in the engine's own threads.
-
-        zarr's codec pipeline runs on zarr's event loop, and an engine read blocks its
-        thread (waiting for the group it joined, or for the store reads it leads). Run
-        in the loop's default executor, a burst of such reads can take every worker
-        while the leader waits for a store read that needs one of them (zarr's
-        ``LocalStore`` reads through ``asyncio.to_thread``): a deadlock. The engine's
-        threads serve nothing else, and whoever waits in them waits for a thread that
-        runs, so they never run out of work they need.
-        """
-        with self._threads_lock:
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(
-                    ENGINE_THREADS, thread_name_prefix="xarray-gds-read"
-                )
-            return self._threads.submit(fn, *args)
 
     def fetch_decode(self, request: ReadRequest) -> Decoded:
         """See the module's :func:`fetch_decode`."""
@@ -336,21 +315,12 @@ class ReadEngine:
         return group
 
 
-#: threads of the engine's own executor (:meth:`ReadEngine.offload`): reads beyond it
-#: queue, behind reads that run, so they are served in turn
-ENGINE_THREADS = 64
-
 _engine = ReadEngine()
 
 
 def engine() -> ReadEngine:
     """This process's read engine."""
     return _engine
-
-
-def offload(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """``fn(*args)`` in the read engine's own threads (see :meth:`ReadEngine.offload`)."""
-    return _engine.offload(fn, *args)
 
 
 def _new_engine_after_fork() -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,30 @@ from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.errors import HostBlocksWarning, warn
 
-__all__ = ["available", "install", "optimize"]
+__all__ = ["available", "install", "optimize", "register"]
 
 _lock = threading.Lock()
 _warned_host_blocks = False
+
+
+@dataclass(frozen=True)
+class _EngineArrays:
+    """The engine's lazy array class and its joined read of many selections."""
+
+    array_type: type
+    read_many: Callable[[list[Any]], list[Any]]
+
+
+#: set by :mod:`xarray_gds.array` (:func:`register`): the arrays this pass joins
+_engine_arrays: _EngineArrays | None = None
+
+
+def register(array_type: type, read_many: Callable[[list[Any]], list[Any]]) -> None:
+    """The lazy array class whose dask blocks the pass joins, and the function that
+    reads many selections of such arrays in one batch (the array module registers
+    itself, so that this pass does not import it)."""
+    global _engine_arrays
+    _engine_arrays = _EngineArrays(array_type, read_many)
 
 
 class _Optimizer:
@@ -89,8 +110,10 @@ def _source(value: Any) -> tuple[Any, bool] | None:
     xarray-gds array (through either chunk manager), else None."""
     from xarray.core import indexing
 
-    from xarray_gds.array import GdsBackendArray
     from xarray_gds.chunks import DeviceBlocks
+
+    if _engine_arrays is None:
+        return None
 
     device_blocks = isinstance(value, DeviceBlocks)
     adapter = value._data if device_blocks else value
@@ -99,7 +122,8 @@ def _source(value: Any) -> tuple[Any, bool] | None:
     inner = adapter.array
     for _ in range(8):
         if isinstance(inner, indexing.LazilyIndexedArray):
-            return (adapter, device_blocks) if isinstance(inner.array, GdsBackendArray) else None
+            ours = isinstance(inner.array, _engine_arrays.array_type)
+            return (adapter, device_blocks) if ours else None
         if not isinstance(inner, indexing.CopyOnWriteArray | indexing.MemoryCachedArray):
             return None
         inner = inner.array
@@ -485,12 +509,14 @@ def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hasha
 
 
 def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tuple[Any, ...]:
-    """Every block of a group, read in one joined batch (:func:`xarray_gds.array.read_many`);
-    a block whose chunks failed holds its exception, which :func:`_pick` raises."""
+    """Every block of a group, read in one joined batch (the registered ``read_many``:
+    :func:`xarray_gds.array.read_many`); a block whose chunks failed holds its
+    exception, which :func:`_pick` raises."""
     from xarray.namedarray.pycompat import to_numpy
 
-    from xarray_gds.array import read_many
     from xarray_gds.chunks import DeviceBlocks
+
+    assert _engine_arrays is not None  # a group exists only for registered arrays
 
     adapters = [src._data if isinstance(src, DeviceBlocks) else src for src in sources]
     bases = [_lazy_base(adapter) for adapter in adapters]
@@ -502,7 +528,7 @@ def _read_group(plan: list[tuple[int, tuple[slice, ...]]], *sources: Any) -> tup
             lazy = _lazy(adapters[s][slices])  # xarray's own key arithmetic; reads nothing
             pair = (lazy.array, lazy.key)
         wanted.append(pair)
-    values = read_many(wanted)
+    values = _engine_arrays.read_many(wanted)
     out = []
     for (s, _), value in zip(plan, values, strict=True):
         if not isinstance(sources[s], DeviceBlocks) and not isinstance(value, BaseException):

@@ -32,6 +32,7 @@ from zarr.registry import get_pipeline_class, register_pipeline
 
 from xarray_gds import coalesce, config, decode, sources
 from xarray_gds import device as _device
+from xarray_gds.batch import offload
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
 from xarray_gds.codecs.encode import (
     EncodeChain,
@@ -141,10 +142,10 @@ def _key_parts(metadata: Any) -> int:
 
 
 async def _offload(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in the read engine's own threads (:func:`coalesce.offload`): never
+    """``fn(*args)`` in the read engine's own threads (:func:`batch.offload`): never
     in the event loop's default executor, whose workers zarr's stores need to serve
     the reads the engine waits for."""
-    return await asyncio.wrap_future(coalesce.offload(fn, *args))
+    return await asyncio.wrap_future(offload(fn, *args))
 
 
 def _array_name(key: str, chunk_key_parts: int) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
-from xarray_gds.batch import DeviceBatch, Fetched, HostBatch
+from xarray_gds.batch import DeviceBatch, Fetched, HostBatch, offload
 
 __all__ = [
     "LocalSource",
@@ -145,7 +145,6 @@ class LocalSource(Source):
     async def read_end(self, key: str, nbytes: int, at_end: bool) -> tuple[np.ndarray, int] | None:
         """As :meth:`Source.read_end`, with one open, one ``fstat`` and one ``pread`` of
         the file, in the engine's threads."""
-        from xarray_gds.coalesce import offload
         from xarray_gds.io.local import read_end
 
         path = str(self.store.resolve(key))

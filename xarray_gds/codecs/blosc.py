@@ -53,27 +53,70 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from xarray_gds.codecs.formats.blosc import BLOSC, STREAMS
+from xarray_gds.codecs.formats.base import Format
+from xarray_gds.codecs.formats.deflate import ZLIB
+from xarray_gds.codecs.formats.lz4 import LZ4
+from xarray_gds.codecs.formats.zstd import ZSTD
 from xarray_gds.errors import ChunkDecodeError
 
 __all__ = [
     "BATCHED_CNAMES",
+    "STREAMS",
     "BloscStreams",
+    "InnerStream",
     "decode_host",
     "parse_arena",
     "parse_frames",
     "unshuffle",
 ]
 
+
+@dataclass(frozen=True)
+class InnerStream:
+    """How the streams of one Blosc compressor are stored in a frame.
+
+    Attributes
+    ----------
+    format : Format
+        The stream's format.
+    framed : bool
+        The stream keeps its format's framing (zlib: header and Adler-32); else it is the
+        raw stream (LZ4: a block without numcodecs' size prefix).
+    """
+
+    format: Format
+    framed: bool
+
+    @property
+    def strip(self) -> tuple[int, int]:
+        """``(skip, trim)``: framing bytes before the raw stream and in all."""
+        return (self.format.skip, self.format.trim) if self.framed else (0, 0)
+
+    def decode_host(self, payload: Any, nbytes: int) -> Any:
+        """Decode one stream of ``nbytes`` decoded bytes on the host."""
+        if self.framed:
+            return self.format.decode_framed(payload, nbytes)
+        return self.format.decode_raw(payload, nbytes)
+
+
+#: Stream format of each Blosc compressor with a batched decoder (nvCOMP on the
+#: device, numcodecs and zlib on the host), by the name the frame's header gives it.
+STREAMS = {
+    "lz4": InnerStream(LZ4, framed=False),
+    "zstd": InnerStream(ZSTD, framed=True),
+    "zlib": InnerStream(ZLIB, framed=True),
+}
+
+
 HEADER_NBYTES = 16  #: bytes of the fixed Blosc1 header
 FORMAT_VERSION = 2  #: the Blosc1 format version read here (c-blosc 1.x)
 #: Stream format of each compressor code (flags bits 5-7); lz4hc writes lz4 streams.
 CNAMES = ("blosclz", "lz4", "snappy", "zlib", "zstd")
 #: Stream formats with a batched decoder (nvCOMP on the device, numcodecs/zlib here):
-#: those of :data:`xarray_gds.codecs.formats.blosc.STREAMS`.
+#: those of :data:`STREAMS`.
 BATCHED_CNAMES = frozenset(STREAMS)
 
-_CODEC = BLOSC.name
+_CODEC = "blosc"  #: the codec errors name (the format is xarray_gds.codecs.formats.blosc)
 _SHUFFLE, _MEMCPYED, _BITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x08, 0x10
 _MAX_SPLITS = 16  # c-blosc's MAX_SPLITS
 _MIN_SPLIT_ELEMENTS = 128  # c-blosc's MIN_BUFFERSIZE, as used by the split rule

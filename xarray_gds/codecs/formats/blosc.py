@@ -9,59 +9,19 @@ streams piece by piece with the inner formats listed in :data:`STREAMS`. One num
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numcodecs
 import zarr.codecs as zc
 
+from xarray_gds.codecs.blosc import STREAMS, InnerStream, parse_frames
 from xarray_gds.codecs.formats.base import Compressor, Format, Rates
-from xarray_gds.codecs.formats.deflate import ZLIB
-from xarray_gds.codecs.formats.lz4 import LZ4
-from xarray_gds.codecs.formats.zstd import ZSTD
 
 __all__ = ["BLOSC", "STREAMS", "Blosc", "InnerStream"]
 
 #: Blosc compressors (as the metadata names them) whose streams nvCOMP decodes
 #: (blosclz and snappy have no decoder; lz4hc writes LZ4 streams).
 _DEVICE_CNAMES = frozenset({"lz4", "lz4hc", "zstd", "zlib"})
-
-
-@dataclass(frozen=True)
-class InnerStream:
-    """How the streams of one Blosc compressor are stored in a frame.
-
-    Attributes
-    ----------
-    format : Format
-        The stream's format.
-    framed : bool
-        The stream keeps its format's framing (zlib: header and Adler-32); else it is the
-        raw stream (LZ4: a block without numcodecs' size prefix).
-    """
-
-    format: Format
-    framed: bool
-
-    @property
-    def strip(self) -> tuple[int, int]:
-        """``(skip, trim)``: framing bytes before the raw stream and in all."""
-        return (self.format.skip, self.format.trim) if self.framed else (0, 0)
-
-    def decode_host(self, payload: Any, nbytes: int) -> Any:
-        """Decode one stream of ``nbytes`` decoded bytes on the host."""
-        if self.framed:
-            return self.format.decode_framed(payload, nbytes)
-        return self.format.decode_raw(payload, nbytes)
-
-
-#: Stream format of each Blosc compressor with a batched decoder (nvCOMP on the
-#: device, numcodecs and zlib on the host), by the name the frame's header gives it.
-STREAMS = {
-    "lz4": InnerStream(LZ4, framed=False),
-    "zstd": InnerStream(ZSTD, framed=True),
-    "zlib": InnerStream(ZLIB, framed=True),
-}
 
 
 class Blosc(Format):
@@ -85,10 +45,8 @@ class Blosc(Format):
         return self.compressor(codec.cname) if isinstance(codec, zc.BloscCodec) else None
 
     def check_host(self, chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> bool:
-        from xarray_gds.codecs import blosc
-
         # check every frame's tables before c-blosc reads them (it trusts them)
-        blosc.parse_frames(chunks, keys, nbytes)
+        parse_frames(chunks, keys, nbytes)
         return True  # every frame declares nbytes
 
 
