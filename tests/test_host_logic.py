@@ -20,7 +20,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from xarray_gds import coalesce, decode, fuse, refs, remote, route
+from xarray_gds import coalesce, decode, fuse, refs, remote, route, sources
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, plan_chain
 from xarray_gds.store import GdsStore
@@ -239,7 +239,8 @@ def _all_chunks(path: Path, name: str = "t2m") -> tuple[Any, list[str], list[Any
     chain = plan_chain(array.metadata)
     grid = [-(-s // c) for s, c in zip(array.shape, array.chunks, strict=True)]
     keys = [f"{name}/{array.metadata.encode_chunk_key(tuple(i))}" for i in np.ndindex(*grid)]
-    fetched = GdsStore(path, read_only=True).read_chunks(keys, "cpu")
+    source = sources.source_for(GdsStore(path, read_only=True))
+    fetched = source.read_all([source] * len(keys), source.locate(keys), False, None)
     return chain, keys, fetched
 
 

@@ -433,11 +433,11 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             Use consolidated metadata: ``None`` tries it and falls back, ``True``
             requires it, ``False`` ignores it (as ``engine="zarr"``).
         storage_options : dict, optional
-            Passed to zarr, as with ``engine="zarr"``: zarr uses them for fsspec
-            URLs only and raises ``TypeError`` when they are given with a local path
-            or a Store object. Remote URLs are not read by this engine yet; pass a
-            zarr Store (``zarr.storage.FsspecStore.from_url(url,
-            storage_options=...)``) instead.
+            Options of the store a remote URL (``s3://``, ``http(s)://``, ...) is
+            opened with (credentials, ``endpoint_url``, ...; see the remote stores
+            page): the engine reads such URLs itself, with bounded retries, on the
+            GPU through kvikio where it can. With a local path or a Store object,
+            zarr raises ``TypeError`` for them, as with ``engine="zarr"``.
         zarr_format : {None, 2, 3}
             Zarr format to read; ``None`` detects it.
         use_zarr_fill_value_as_mask : bool, optional

@@ -96,29 +96,9 @@ class GdsStore(LocalStore):
             return cpu.Buffer.from_bytes(data)
         return prototype.buffer.from_bytes(data)
 
-    def read_chunks(self, keys: list[str], device: str, slot: int | None = None) -> Any:
-        """Whole chunk files for the batched pipeline.
-
-        Parameters
-        ----------
-        keys : list of str
-            Chunk keys.
-        device : {"cuda", "cpu"}
-            ``"cuda"``: one :class:`~xarray_gds.batch.DeviceBatch` read by kvikio.
-            ``"cpu"``: a list of uint8 numpy arrays, ``None`` for missing keys.
-        slot : int, optional
-            Bytes a chunk file is expected to fit in (see
-            :func:`~xarray_gds.io.local.read_files_device`).
-        """
-        paths = self.chunk_paths(keys)
-        if device == "cuda":
-            return _local.read_files_device(paths, slot)
-        return _local.read_files_host(paths)
-
     def chunk_paths(self, keys: list[str]) -> list[str]:
         """The files that hold ``keys`` (checked as :meth:`resolve` checks them): what
-        every batched read of chunks (:meth:`read_chunks`, and the joined reads of
-        :mod:`xarray_gds.coalesce`) reads."""
+        the engine's batched reads of chunks read (:class:`xarray_gds.sources.LocalSource`)."""
         root = os.fspath(self.root)
         for key in keys:
             self._check_key(key)
