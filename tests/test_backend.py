@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,58 @@ def test_directory_that_is_not_a_store(tmp_path: Path) -> None:
     assert str(tmp_path) in str(err.value)
     with pytest.raises(ValueError, match="not a Zarr store"):
         xr.open_dataset(tmp_path / "notes.txt", engine="gds-zarr", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("magic", "engines"),
+    [
+        (b"\x89HDF\r\n\x1a\n", "engine='netcdf4') or engine='h5netcdf'"),
+        (b"CDF\x01", "engine='netcdf4') or engine='scipy'"),
+        (b"CDF\x02", "engine='netcdf4') or engine='scipy'"),
+    ],
+)
+def test_netcdf_file_names_the_engines_that_read_it(
+    tmp_path: Path, magic: bytes, engines: str
+) -> None:
+    path = tmp_path / "era5.nc"
+    path.write_bytes(magic + bytes(120))
+    with pytest.raises(ValueError, match="not a Zarr store") as err:
+        xr.open_dataset(path, engine="gds-zarr", device="cpu")
+    text = str(err.value)
+    assert str(path) in text and "NetCDF" in text
+    assert engines in text
+    assert "kerchunk or VirtualiZarr" in text and "docs/netcdf.md" in text
+
+
+def test_hdf5_after_a_user_block_is_recognised(tmp_path: Path) -> None:
+    path = tmp_path / "blocked.h5"
+    path.write_bytes(bytes(512) + b"\x89HDF\r\n\x1a\n" + bytes(64))
+    with pytest.raises(ValueError, match="is a NetCDF-4/HDF5 file, not a Zarr store"):
+        xr.open_dataset(path, engine="gds-zarr", device="cpu")
+
+
+@pytest.mark.parametrize("path", ["t", "forecast/t"])
+def test_zarr_array_error_suggests_a_call_that_works(tmp_path: Path, path: str) -> None:
+    """The TypeError for a zarr.Array names a call that opens it: run that call."""
+    root = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=3)
+    array = root.create_array(path, shape=(4,), dtype="f4", dimension_names=("x",))
+    array[:] = np.arange(4, dtype="f4")
+    with pytest.raises(TypeError, match="pick the variable") as err:
+        xr.open_dataset(array, engine="gds-zarr", device="cpu")
+    call = str(err.value).split("pick the variable: ", 1)[1]
+    with warnings.catch_warnings():  # no GPU here; no consolidated metadata
+        warnings.simplefilter("ignore")
+        got = eval(call, {"xr": xr, "array": array})  # the suggestion, as a user types it
+    assert isinstance(got, xr.DataArray)
+    np.testing.assert_array_equal(got.values, np.arange(4, dtype="f4"))
+
+
+def test_root_zarr_array_error_says_to_read_it_with_zarr(tmp_path: Path) -> None:
+    array = zarr.create_array(tmp_path / "a.zarr", shape=(4,), dtype="f4", zarr_format=3)
+    with pytest.raises(TypeError, match="root of its store") as err:
+        xr.open_dataset(array, engine="gds-zarr", device="cpu")
+    text = str(err.value)
+    assert "zarr.config.enable_gpu()" in text and "['']" not in text and "group='/'" not in text
 
 
 def test_other_remote_urls_are_refused_with_a_pointer(tmp_path: Path) -> None:

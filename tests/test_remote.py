@@ -1028,3 +1028,35 @@ def test_redact_masks_userinfo_options_and_headers():
     )
     assert remote.public_url("http://u:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
     assert remote.public_url("s3://bucket/a@b") == "s3://bucket/a@b"
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_unreachable_http_url_never_suggests_aws_settings(scheme):
+    url = _closed_url().replace("http://", f"{scheme}://")
+    with pytest.raises(ConnectionError, match="the server cannot be reached") as err:
+        _open(url, {})
+    text = str(err.value)
+    assert url in text and "check the URL (host and port)" in text
+    assert "AWS" not in text and "endpoint_url" not in text
+
+
+def test_write_to_unreachable_s3_endpoint_is_classified():
+    """xarray_gds.to_zarr to an S3 endpoint nobody listens on: a ConnectionError that
+    names the store and the setting to check, as a read says it; no credential in it."""
+    import xarray_gds
+
+    options = {
+        "key": KEY,
+        "secret": SECRET,
+        "endpoint_url": f"http://127.0.0.1:{_free_port()}",
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+    }
+    with pytest.raises(ConnectionError) as err:
+        xarray_gds.to_zarr(_dataset(), "s3://data/new.zarr", storage_options=options, mode="w")
+    text = str(err.value)
+    assert text.startswith("cannot write to the remote Zarr store 's3://data/new.zarr': ")
+    assert "the endpoint cannot be reached: check endpoint_url (or AWS_ENDPOINT_URL)" in text
+    assert err.value.__cause__ is None and err.value.__context__ is None
+    for shown in _texts(err.value):
+        assert KEY not in shown and SECRET not in shown

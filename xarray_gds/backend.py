@@ -64,13 +64,7 @@ def open_store(
     if isinstance(filename_or_obj, Store):
         return filename_or_obj
     if isinstance(filename_or_obj, zarr.Array):
-        parent, _, name = filename_or_obj.path.rpartition("/")
-        raise TypeError(
-            f"engine='gds-zarr' opens Zarr groups as Datasets, not the zarr.Array "
-            f"{filename_or_obj.path!r}; pass the store and group that hold it: "
-            f"xr.open_dataset(array.store, group={parent or '/'!r}, "
-            f"engine='gds-zarr')[{name!r}]"
-        )
+        raise TypeError(_array_hint(filename_or_obj))
     if isinstance(filename_or_obj, ZarrStore):
         raise TypeError(
             "engine='gds-zarr' takes an xarray ZarrStore as the store= argument (as "
@@ -95,12 +89,71 @@ def open_store(
     path = Path(text.removeprefix("file://")).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"No such Zarr store: '{path}'")
+    netcdf = _netcdf_kind(path)
+    if netcdf is not None:
+        raise ValueError(
+            f"'{path}' is a {netcdf} file, not a Zarr store: open it with "
+            f"{_NETCDF_ENGINES[netcdf]} (read on the host), or make a reference set of it "
+            "with kerchunk or VirtualiZarr and open that with engine='gds-zarr' to decode "
+            "its chunks on the GPU (see the NetCDF page of the docs, docs/netcdf.md)"
+        )
     if not path.is_dir() or not any((path / name).exists() for name in _ROOT_METADATA):
         raise ValueError(
             f"'{path}' is not a Zarr store: it is not a directory holding "
             "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
         )
     return GdsStore(path, read_only=read_only)
+
+
+def _array_hint(array: zarr.Array) -> str:
+    """What to pass instead of a ``zarr.Array``: the group that holds it, then the variable;
+    a store whose root is an array has no group, so zarr reads it."""
+    parent, _, name = array.path.strip("/").rpartition("/")
+    if not name:
+        return (
+            "engine='gds-zarr' opens Zarr groups as Datasets, and this zarr.Array is the "
+            "root of its store, so no group holds it: read it with zarr instead "
+            "(array[...]; into GPU memory: `with zarr.config.enable_gpu(): array[...]`), "
+            "or write it into a group with a name and dimension names and open that group"
+        )
+    group = f"group={parent!r}, " if parent else ""
+    return (
+        f"engine='gds-zarr' opens Zarr groups as Datasets, not the zarr.Array {array.path!r}; "
+        f"open the group that holds it and pick the variable: "
+        f"xr.open_dataset(array.store, {group}engine='gds-zarr')[{name!r}]"
+    )
+
+
+#: the first bytes of HDF5 (NetCDF-4) and NetCDF classic files
+_NETCDF_MAGIC = {
+    b"\x89HDF\r\n\x1a\n": "NetCDF-4/HDF5",
+    b"CDF\x01": "NetCDF classic",
+    b"CDF\x02": "NetCDF classic",
+    b"CDF\x05": "NetCDF CDF-5",
+}
+_NETCDF_ENGINES = {
+    "NetCDF-4/HDF5": "xr.open_dataset(path, engine='netcdf4') or engine='h5netcdf'",
+    "NetCDF classic": "xr.open_dataset(path, engine='netcdf4') or engine='scipy'",
+    "NetCDF CDF-5": "xr.open_dataset(path, engine='netcdf4')",
+}
+
+
+def _netcdf_kind(path: Path) -> str | None:
+    """``"NetCDF-4/HDF5"`` or ``"NetCDF classic"`` when ``path`` is a file that starts as
+    one does (an HDF5 signature may also follow a user block of 512, 1024, ... bytes)."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as file:
+            head = file.read(8)
+            for start in (512, 1024, 2048):
+                if head.startswith(tuple(_NETCDF_MAGIC)):
+                    break
+                file.seek(start)
+                head = file.read(8)
+    except OSError:
+        return None
+    return next((kind for magic, kind in _NETCDF_MAGIC.items() if head.startswith(magic)), None)
 
 
 def _resolve_source(

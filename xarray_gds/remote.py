@@ -36,6 +36,7 @@ __all__ = [
     "read_host",
     "redact",
     "scrubbed",
+    "write_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -197,12 +198,38 @@ def mask_logs() -> None:
             target.addFilter(_MASK)
 
 
-def _fail(url: str, storage_options: dict[str, Any] | None, what: str, err: BaseException) -> str:
+def _fail(
+    url: str,
+    storage_options: dict[str, Any] | None,
+    what: str,
+    err: BaseException,
+    action: str = "open",
+) -> str:
     detail = redact(f"{type(err).__name__}: {err}", storage_options, url)
-    return f"cannot open the remote Zarr store {public_url(url)!r}: {what} ({detail})"
+    return f"cannot {action} the remote Zarr store {public_url(url)!r}: {what} ({detail})"
 
 
-def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSError:
+def _is_s3(url: str) -> bool:
+    return url.lower().startswith(("s3://", "s3a://"))
+
+
+def _unreachable(url: str) -> str:
+    """What to check when the server of ``url`` cannot be reached: AWS settings for
+    S3 only, never for an HTTP URL."""
+    if _is_s3(url):
+        return (
+            "the endpoint cannot be reached: check endpoint_url (or AWS_ENDPOINT_URL) "
+            "and that the server is up"
+        )
+    return "the server cannot be reached: check the URL (host and port) and that the server is up"
+
+
+def _classified(
+    url: str, options: dict[str, Any], err: BaseException, action: str = "open"
+) -> OSError | None:
+    """The error to raise for ``err`` of opening (or writing to) ``url``: its type says
+    the kind of fault, its message what to check; ``None`` for a fault of writing that
+    is not one of the store's connection or credentials."""
     if "Credential" in type(err).__name__:
         return PermissionError(
             _fail(
@@ -212,19 +239,14 @@ def _classified(url: str, options: dict[str, Any], err: BaseException) -> OSErro
                 "secret, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
                 "anon=True for a public bucket",
                 err,
+                action,
             )
         )
     if "Connect" in type(err).__name__ or isinstance(err, ConnectionError | TimeoutError):
-        return ConnectionError(
-            _fail(
-                url,
-                options,
-                "the endpoint cannot be reached: check endpoint_url "
-                "(or AWS_ENDPOINT_URL) and that the server is up",
-                err,
-            )
-        )
-    return OSError(_fail(url, options, "reading its metadata failed", err))
+        return ConnectionError(_fail(url, options, _unreachable(url), err, action))
+    if action == "open":
+        return OSError(_fail(url, options, "reading its metadata failed", err))
+    return None
 
 
 def _with_timeout(url: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +274,8 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     PermissionError
         The server refused access (HTTP 403): check the credentials.
     ConnectionError
-        The endpoint cannot be reached: check ``endpoint_url`` / ``AWS_ENDPOINT_URL``.
+        The server cannot be reached: check the URL, and for S3 ``endpoint_url`` /
+        ``AWS_ENDPOINT_URL``.
     """
     from zarr.core.buffer import cpu
     from zarr.core.sync import sync
@@ -274,7 +297,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
             "for http(s):// URLs"
         )
     except Exception as err:
-        failure = _classified(url, options, err)
+        failure = _classified(url, options, err) or err
     if failure is not None:
         raise failure from None
     if not read_only:
@@ -301,12 +324,12 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
                 )
             )
         else:
-            failure = _classified(url, options, err)
+            failure = _classified(url, options, err) or err
     if failure is not None:
         raise failure from None
     if not found:
         where = "no zarr.json, .zgroup, .zarray or .zmetadata there"
-        if url.lower().startswith(("s3://", "s3a://")):
+        if _is_s3(url):
             bucket = shown.split("://", 1)[1].split("/", 1)[0]
             try:
                 exists = bool(sync(store.fs._exists(bucket)))
@@ -389,6 +412,34 @@ def store_url(store: Any) -> str:
     if "://" not in path and protocol:
         path = f"{protocol}://{path.lstrip('/')}"
     return public_url(path).rstrip("/")  # http://***@host/... for user:password@
+
+
+def write_error(store: Any, err: BaseException) -> OSError | None:
+    """The error to raise for ``err``, raised while writing to ``store``, when ``store``
+    is a remote store (``s3://``, ``http(s)://``) and ``err`` is a fault of reaching it or
+    of its credentials: classified as opening such a store is (``ConnectionError``,
+    ``PermissionError``), its message naming the store without user information or
+    secrets and saying what to check. ``None`` for any other error (raise it as it is).
+    """
+    fs = getattr(store, "fs", None)
+    protocol = getattr(fs, "protocol", "")
+    protocol = protocol if isinstance(protocol, str) else protocol[0]
+    if protocol not in REMOTE_SCHEMES or not isinstance(err, Exception):
+        return None
+    url = store_url(store)
+    options = dict(getattr(fs, "storage_options", None) or {})
+    secret_url = str(getattr(store, "path", ""))
+    if isinstance(err, PermissionError) or getattr(err, "status", None) in (401, 403):
+        what = "access denied: check the credentials and the " + (
+            "bucket's policy" if _is_s3(url) else "server's policy"
+        )
+        detail = redact(f"{type(err).__name__}: {err}", options, secret_url)
+        return PermissionError(f"cannot write to the remote Zarr store {url!r}: {what} ({detail})")
+    classified = _classified(url, options, err, action="write to")
+    if classified is None:
+        return None
+    classified.args = (redact(str(classified), options, secret_url),)
+    return classified
 
 
 def _read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError:

@@ -151,13 +151,21 @@ def to_zarr(
     # writes it at once (a store initialised with compute=False is the template of
     # later region writes)
     held = HeldMetadataStore(store, lock_timeout=lock_timeout)
+    failure: BaseException | None = None
     try:
-        with writing_to(held, levels):
-            result = prepared.to_zarr(held, **kwargs)
-    except BaseException:
-        held.discard()
-        raise
-    held.flush()
+        try:
+            with writing_to(held, levels):
+                result = prepared.to_zarr(held, **kwargs)
+        except BaseException:
+            held.discard()
+            raise
+        held.flush()
+    except Exception as err:  # a remote store out of reach: say what to check
+        failure = remote.write_error(store, err)
+        if failure is None:
+            raise
+    if failure is not None:  # raised outside the except block: nothing chained
+        raise failure from None
     return result
 
 
