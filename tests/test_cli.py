@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ def test_demo_cpu(
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "\nidentical: yes" in out  # the read
-    assert out.rstrip().endswith("write round trip identical: yes")  # the write
+    assert "\nwrite round trip identical: yes\n" in out  # the write
     assert f"Zarr v{zarr_format}" in out
     assert "device:     cpu" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
@@ -65,8 +66,13 @@ def test_demo_cpu(
     assert "gds-zarr" in rows and "zarr" in rows  # the timing table
     assert "one cold run each" in out and "`xarray-gds bench`" in out
     assert "Pass --device cpu" not in err  # asked for cpu: nothing to warn about
-    # The temporary store is gone.
+    # The temporary store is gone, and the demo says so and how to keep it.
     assert list(tmp_path.iterdir()) == []
+    assert out.rstrip().splitlines()[-1] == (
+        "The stores above are in a temporary directory, removed as the demo ends. "
+        "`xarray-gds demo --dir DIR` keeps them; then "
+        f"`xarray-gds info DIR/weather-small-v{zarr_format}.zarr` describes the store."
+    )
 
 
 def test_demo_keeps_store_in_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,6 +90,41 @@ def test_demo_keeps_store_in_dir(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert ds["u10"].dtype.kind == "f"
         assert int(ds["u10"].isnull().sum()) > 0  # masked by _FillValue
         assert ds["time"].dtype.kind == "M"
+
+
+def test_demo_dir_then_info_on_the_kept_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The README's two steps, with a relative --dir as there: the demo keeps its store
+    # and names the `info` command to run on it, which then describes that store.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--device", "cpu", "--dir", "demo data"]) == 0
+    out = capsys.readouterr().out
+    store = Path("demo data", "weather-small-v3.zarr")
+    assert store.is_dir()
+    assert sorted(p.name for p in store.parent.iterdir() if not p.name.startswith(".")) == [
+        "weather-small-v3.zarr",
+        "written-by-gds.zarr",
+        "written-by-xarray.zarr",
+    ]
+    last = out.rstrip().splitlines()[-1]
+    assert (
+        last
+        == "next:       xarray-gds info 'demo data/weather-small-v3.zarr'   (describes the store)"
+    )
+    command = shlex.split(last.removeprefix("next:").split("  (")[0])
+    assert command[:2] == ["xarray-gds", "info"]
+
+    assert cli.main([*command[1:], "--device", "cpu"]) == 0
+    info = capsys.readouterr().out
+    assert info.splitlines()[0].endswith("demo data/weather-small-v3.zarr")
+    blocks = sections(info)
+    assert sorted(blocks) == [
+        "/land_mask", "/lat", "/lon", "/precip", "/t2m", "/time", "/u10", "/v10"
+    ]  # fmt: skip
+    assert field(blocks["/u10"], "shape") == "(48, 73, 144)"
+    assert field(blocks["/u10"], "chunks") == "(12, 73, 144)"
+    assert field(blocks["/u10"], "dtype") == "int16"
 
 
 def test_demo_dataset_is_weather_like() -> None:

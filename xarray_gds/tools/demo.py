@@ -8,6 +8,7 @@ Like the rest of the package, importing this module loads no CUDA library.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import tempfile
@@ -285,10 +286,25 @@ def run(args: argparse.Namespace) -> int:
             _text.error("demo", f"engine='gds-zarr' and engine='zarr' disagree:\n{err}")
             return 1
         print("identical: yes")
-        return _demo_write(gds, ref, parent, args.zarr_format)
+        status = _demo_write(gds, ref, parent, args.zarr_format)
+        if status == 0:
+            print()
+            print(_next_step(path, kept=tmp is None))
+        return status
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _next_step(path: Path, kept: bool) -> str:
+    """What to run on the demo's store next, or how to keep it when it is temporary."""
+    if kept:
+        return f"next:       {PROG} info {shlex.quote(str(path))}   (describes the store)"
+    return (
+        "The stores above are in a temporary directory, removed as the demo ends. "
+        f"`{PROG} demo --dir DIR` keeps them; then `{PROG} info DIR/{path.name}` "
+        "describes the store."
+    )
 
 
 def _demo_write(gds: xr.Dataset, ref: xr.Dataset, parent: Path, zarr_format: int) -> int:
