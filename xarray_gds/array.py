@@ -46,9 +46,14 @@ class GdsBackendArray(BackendArray):
         Where the values are returned: ``"cuda"`` or ``"cpu"``.
     cf : CFPlan, optional
         CF decoding applied after the read.
+    ahead : ReadAhead, optional
+        The read-ahead shared by the arrays of one dataset.
+    gpu : int, optional
+        The GPU the values are read into (``device="cuda:N"``): reads run with it as
+        CuPy's current device. ``None``: the device current when a read runs.
     """
 
-    __slots__ = ("_ahead", "_array", "_cf", "_device", "dtype", "name", "shape")
+    __slots__ = ("_ahead", "_array", "_cf", "_device", "_gpu", "dtype", "name", "shape")
 
     def __init__(
         self,
@@ -57,10 +62,12 @@ class GdsBackendArray(BackendArray):
         device: _device.Device,
         cf: CFPlan | None = None,
         ahead: ReadAhead | None = None,
+        gpu: int | None = None,
     ) -> None:
         self._array = zarr_array
         self.name = name
         self._device = device
+        self._gpu = gpu if device == "cuda" else None
         self._cf = cf
         self._ahead = ahead
         self.shape = tuple(zarr_array.shape)
@@ -81,6 +88,7 @@ class GdsBackendArray(BackendArray):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._gpu = None  # pickled before arrays had a GPU number
         for name, value in state.items():
             setattr(self, name, value)
         # a dataset opened in another process joins its blocks' reads here too, and its
@@ -90,6 +98,10 @@ class GdsBackendArray(BackendArray):
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         config.validate()
+        with _device.on_gpu(self._gpu):
+            return self._read(key)
+
+    def _read(self, key: indexing.ExplicitIndexer) -> Any:
         if self._ahead is not None:
             kept = self._ahead.read(self, key)
             if kept is not _NOTHING:
@@ -159,8 +171,22 @@ class GdsBackendArray(BackendArray):
 
 def read_boxes(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any]:
     """``array[key]`` (integer and slice keys) of every item, CF-decoded, their chunks
-    read together (:func:`xarray_gds.region.read_boxes`); an entry holds the exception
-    of a read that failed."""
+    read together (:func:`xarray_gds.region.read_boxes`), those of arrays opened on one
+    GPU (``device="cuda:N"``) with it current; an entry holds the exception of a read
+    that failed."""
+    by_gpu: dict[int | None, list[int]] = {}
+    for i, (array, _) in enumerate(items):
+        by_gpu.setdefault(array._gpu, []).append(i)
+    out: list[Any] = [None] * len(items)
+    for gpu, which in by_gpu.items():
+        with _device.on_gpu(gpu):
+            got = _read_boxes_here([items[i] for i in which])
+        for i, value in zip(which, got, strict=True):
+            out[i] = value
+    return out
+
+
+def _read_boxes_here(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any]:
     got = _region_read_boxes([(a._array, key, a._device) for a, key in items])
     out: list[Any] = []
     for (a, key), value in zip(items, got, strict=True):
@@ -422,11 +448,12 @@ class HostDecodedArray(BackendArray):
     correct, but the values make a round trip through host memory.
     """
 
-    __slots__ = ("_decoded", "_device", "dtype", "shape")
+    __slots__ = ("_decoded", "_device", "_gpu", "dtype", "shape")
 
-    def __init__(self, decoded: Any, device: _device.Device) -> None:
+    def __init__(self, decoded: Any, device: _device.Device, gpu: int | None = None) -> None:
         self._decoded = decoded
         self._device = device
+        self._gpu = gpu if device == "cuda" else None
         self.shape = tuple(decoded.shape)
         self.dtype = decoded.dtype
 
@@ -440,7 +467,8 @@ class HostDecodedArray(BackendArray):
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> Any:
         values = np.asarray(self._decoded[key])
-        return _device.array_module(self._device).asarray(values)
+        with _device.on_gpu(self._gpu):
+            return _device.array_module(self._device).asarray(values)
 
     async def async_getitem(self, key: indexing.ExplicitIndexer) -> Any:
         """``self[key]`` in a worker thread (xarray decodes these on the host)."""

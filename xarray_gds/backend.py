@@ -349,10 +349,11 @@ def placement(name: str, variable: xr.Variable) -> _device.Device | None:
 
 
 def _dataset_from_store(
-    zstore: ZarrStore, device: _device.Device, decoders: dict[str, Any]
+    zstore: ZarrStore, device: _device.Device, decoders: dict[str, Any], gpu: int | None = None
 ) -> xr.Dataset:
     """The dataset of one group: xarray's CF decoding (``decoders``: the arguments of
-    open_dataset named in :data:`_DECODERS`), numeric variables read by the engine."""
+    open_dataset named in :data:`_DECODERS`), numeric variables read by the engine (on
+    GPU number ``gpu`` when given, see :func:`xarray_gds.device.resolve`)."""
     config.validate()
     fuse.install()  # the engine's arrays are made here: dask's pass comes with them
     raw_vars, attrs = zstore.load()
@@ -379,11 +380,11 @@ def _dataset_from_store(
                 mask_and_scale,
             )
             lazy: Any = (
-                GdsBackendArray(zarr_array, _store_name(name), device, plan, ahead)
+                GdsBackendArray(zarr_array, _store_name(name), device, plan, ahead, gpu)
                 if plan is not None
                 # Variable._data is xarray's lazily decoded array: read it on the
                 # host and move the result (see HostDecodedArray).
-                else HostDecodedArray(var._data, device)
+                else HostDecodedArray(var._data, device, gpu)
             )
             var = xr.Variable(var.dims, indexing.LazilyIndexedArray(lazy), var.attrs, var.encoding)
         if name in coord_names or var.dims == (name,):
@@ -508,12 +509,14 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             ``filename_or_obj`` and the opening arguments, as ``engine="zarr"`` does.
         engine : optional
             Accepted and ignored, as by ``engine="zarr"``.
-        device : {None, "cuda", "cpu"}
+        device : {None, "cpu", "gpu", "cuda", "cuda:N"}
             Where numeric variables are placed. ``None`` uses the GPU when one is
-            usable and otherwise warns once and reads on the host.
+            usable and otherwise warns once and reads on the host. ``"gpu"`` and
+            ``"cuda"`` read into the CUDA device current at each read; ``"cuda:N"``
+            into GPU number ``N`` (counted from 0), whichever device is current then.
         """
         given = locals()  # the arguments, before any other name is bound
-        dev = _device.resolve_device(device)
+        dev, gpu = _device.resolve(device)
         if store is not None:
             if not isinstance(store, ZarrStore):
                 raise TypeError(
@@ -526,7 +529,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
             _, stores = _open_stores(filename_or_obj, group, **opening, all_groups=False)
             (zstore,) = stores.values()
         with close_on_error(zstore):
-            return _dataset_from_store(zstore, dev, {name: given[name] for name in _DECODERS})
+            return _dataset_from_store(zstore, dev, {name: given[name] for name in _DECODERS}, gpu)
 
     def open_groups_as_dict(  # type: ignore[override]
         self, filename_or_obj: str | os.PathLike[str] | Store | zarr.Group, **kwargs: Any
@@ -537,7 +540,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         meaning; ``group`` is the root of the groups opened.
         """
         args = _bind(self.open_dataset, filename_or_obj, kwargs)
-        dev = _device.resolve_device(args["device"])
+        dev, gpu = _device.resolve(args["device"])
         opening = {name: args[name] for name in _OPEN_ARGUMENTS}
         group, stores = _open_stores(filename_or_obj, args["group"], **opening, all_groups=True)
         parent = str(NodePath("/") / NodePath(group)) if group else "/"
@@ -545,7 +548,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         out: dict[str, xr.Dataset] = {}
         for path, zstore in stores.items():
             with close_on_error(zstore):
-                ds = _dataset_from_store(zstore, dev, decoders)
+                ds = _dataset_from_store(zstore, dev, decoders, gpu)
             key = str(NodePath(path).relative_to(parent)) if group else str(NodePath(path))
             out[key] = ds
         return out

@@ -114,34 +114,89 @@ def cuda_status() -> tuple[bool, str]:
 
 _warned_fallback = False
 
+#: the forms ``device`` takes, as error messages list them
+DEVICE_FORMS = "None (a GPU when one is usable), 'cpu', 'gpu' or 'cuda', or 'cuda:N' (GPU number N)"
+
+
+def parse_device(device: str | None) -> tuple[Device | None, int | None]:
+    """Check the form of the user's ``device`` argument, without looking for a GPU.
+
+    Parameters
+    ----------
+    device : {None, "cpu", "gpu", "cuda", "cuda:N"}
+        ``"host"`` is taken for ``"cpu"``; ``"gpu"`` and ``"cuda"`` mean the current
+        CUDA device, ``"cuda:N"`` GPU number ``N`` (counted from 0, as CuPy counts).
+
+    Returns
+    -------
+    (device, gpu)
+        ``device`` is ``None`` (choose), ``"cuda"`` or ``"cpu"``; ``gpu`` the GPU
+        number of ``"cuda:N"``, else ``None``.
+
+    Raises
+    ------
+    TypeError
+        ``device`` is not a string or None.
+    ValueError
+        ``device`` is a string of none of these forms; the message lists them.
+    """
+    if device is None:
+        return None, None
+    if not isinstance(device, str):
+        raise TypeError(f"device must be {DEVICE_FORMS}, not {type(device).__name__}")
+    text = device.strip().lower()
+    if text in ("cpu", "host"):
+        return "cpu", None
+    if text in ("cuda", "gpu"):
+        return "cuda", None
+    kind, sep, number = text.partition(":")
+    if kind == "cuda" and sep and number.isdigit() and number.isascii():
+        return "cuda", int(number)
+    raise ValueError(f"device must be {DEVICE_FORMS}; got {device!r}")
+
 
 def resolve_device(device: str | None) -> Device:
     """Turn the user's ``device`` argument into ``"cuda"`` or ``"cpu"``.
 
     Parameters
     ----------
-    device : {None, "cuda", "cpu"}
+    device : {None, "cpu", "gpu", "cuda", "cuda:N"}
         ``None`` picks ``"cuda"`` when a GPU, CuPy and kvikio are usable, and
         otherwise falls back to the host with a single warning per process.
+        ``"cuda:N"`` is checked to name a GPU of this machine (see :func:`resolve`,
+        which also returns ``N``).
 
     Raises
     ------
     NoCudaDeviceError
-        ``device="cuda"`` was asked for but no GPU can be used; the message says why.
+        A GPU was asked for but none can be used; the message says why.
     ValueError
-        ``device`` is not one of the accepted values.
+        ``device`` is not one of the accepted forms, or ``"cuda:N"`` names a GPU this
+        machine does not have (the message gives how many it has).
     """
+    return resolve(device)[0]
+
+
+def resolve(device: str | None) -> tuple[Device, int | None]:
+    """:func:`resolve_device`, and the GPU number of ``device="cuda:N"`` (else ``None``:
+    reads use the CUDA device current when they run)."""
     global _warned_fallback
-    if device is not None and not isinstance(device, str):
-        raise TypeError(f"device must be 'cuda', 'cpu' or None, not {type(device).__name__}")
-    if device in ("cpu", "host"):
-        return "cpu"
-    if device not in (None, "cuda", "gpu"):
-        raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+    kind, gpu = parse_device(device)
+    if kind == "cpu":
+        return "cpu", None
     ok, reason = cuda_status()
     if ok:
-        return "cuda"
-    if device is None:
+        if gpu is not None:
+            count = int(cupy().cuda.runtime.getDeviceCount())
+            if gpu >= count:
+                have = f"cuda:0 to cuda:{count - 1}" if count > 1 else "cuda:0"
+                raise ValueError(
+                    f"device={device!r} asks for GPU {gpu}, but this machine has "
+                    f"{count} GPU{'s' if count != 1 else ''} ({have}); GPUs are counted "
+                    "from 0, as CUDA_VISIBLE_DEVICES leaves them"
+                )
+        return "cuda", gpu
+    if kind is None:
         if not _warned_fallback:
             _warned_fallback = True
             warn(
@@ -149,8 +204,17 @@ def resolve_device(device: str | None) -> Device:
                 "with numpy instead. Pass device='cpu' to silence this warning.",
                 HostRouteWarning,
             )
-        return "cpu"
-    raise NoCudaDeviceError(f"device='cuda' was requested but {reason}.")
+        return "cpu", None
+    raise NoCudaDeviceError(f"device={device!r} was requested but {reason}.")
+
+
+def on_gpu(gpu: int | None) -> contextlib.AbstractContextManager[Any]:
+    """A context in which GPU number ``gpu`` is CuPy's current device (the device the
+    engine's reads allocate on and record), or one that changes nothing for ``None``."""
+    if gpu is None:
+        return contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[Any] = cupy().cuda.Device(gpu)
+    return context
 
 
 def array_module(device: Device) -> ModuleType:
