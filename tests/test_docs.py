@@ -1,0 +1,95 @@
+"""The user docs stay true: the home page's quick start runs as written, and the
+performance page's chart and table are the committed benchmark data's."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import runpy
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _plot_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quick_start() -> str:
+    """The first Python code block under the home page's "Quick start" heading."""
+    text = (DOCS / "index.md").read_text()
+    section = text[text.index("## Quick start") :]
+    section = section[: section.find("\n## ", 1)]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "docs/index.md: no ```python block under ## Quick start"
+    return match.group(1)
+
+
+def test_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the block makes its own store in the working directory; without a GPU the engine
+    # falls back to the host (a warning), with one it reads to the device: both run
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "quick_start.py"
+    path.write_text(quick_start())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        names = runpy.run_path(str(path), run_name="__main__")
+    assert (tmp_path / "example.zarr").is_dir()
+    day1 = names["day1"]
+    assert day1.sizes == {"time": 24, "lat": 181, "lon": 360}
+    values = day1.data if isinstance(day1.data, np.ndarray) else day1.data.get()
+    np.testing.assert_array_equal(values, names["t2m"][:24])
+    assert names["tree"]["t2m"].shape == (48, 181, 360)
+
+
+def test_bench_chart_matches_its_data() -> None:
+    # the committed image is what the script draws from the committed JSON, byte for
+    # byte: regenerate both with `python scripts/plot_bench.py` after a new run
+    plot = _plot_bench()
+    drawn = plot.svg(plot.load(plot.DATA))
+    assert plot.IMAGE.read_text() == drawn, (
+        "docs/img/bench-h200.svg is stale: run `python scripts/plot_bench.py`"
+    )
+
+
+def test_bench_table_on_the_page_matches_its_data() -> None:
+    plot = _plot_bench()
+    page = (DOCS / "performance.md").read_text()
+    assert plot.table(plot.load(plot.DATA)) in page, (
+        "the H200 table of docs/performance.md differs from docs/data/bench-h200.json: "
+        "paste the output of `python scripts/plot_bench.py --table`"
+    )
+
+
+def test_bench_chart_pairs_suffixes_and_plain_output(tmp_path: Path) -> None:
+    # plain `xarray-gds bench --json` output (no title/date/command keys) draws too
+    plot = _plot_bench()
+    result = {
+        "case": "c",
+        "nbytes": 10**9,
+        "n_chunks": 4,
+        "seconds": {"gds-zarr": 0.5, "zarr": 1.0, "gds-zarr chunks={}": 2.0, "zarr chunks={}": 1.0},
+        "note": "",
+    }
+    assert plot.pairs(result) == [
+        ("", "gds-zarr", "zarr"),
+        (" chunks={}", "gds-zarr chunks={}", "zarr chunks={}"),
+    ]
+    data = {"env": {"cuda": True, "cpus": 2}, "results": [result]}
+    image = plot.svg(data)
+    assert image.startswith("<svg") and "2.0x" in image and "0.5x" in image
+    assert plot.svg(data) == image  # deterministic
+    out = tmp_path / "x.svg"
+    (tmp_path / "x.json").write_text(__import__("json").dumps(data))
+    assert plot.main([str(tmp_path / "x.json"), str(out)]) == 0
+    assert out.read_text() == image
