@@ -34,7 +34,8 @@ find_python() {  # find_python [X.Y]: an interpreter >= 3.12, that version when 
 }
 
 setup_venv() {  # setup_venv EXTRAS [VENV [PYTHON_VERSION [PIP_INSTALL_ARGS...]]]
-  local extras=$1 venv=${2:-.venv} want=${3:-} py
+  # EXTRAS: comma-separated extras of pyproject.toml, or "" for the base package only
+  local extras=$1 venv=${2:-.venv} want=${3:-} py project=.
   shift $(($# < 3 ? $# : 3))
   py=$(find_python "$want")
   if [ ! -x "$venv/bin/python" ] || ! _is "$venv/bin/python" "$want"; then
@@ -42,6 +43,7 @@ setup_venv() {  # setup_venv EXTRAS [VENV [PYTHON_VERSION [PIP_INSTALL_ARGS...]]
     "$py" -m venv "$venv"
   fi
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" "$@"
+  [ -n "$extras" ] && project=".[$extras]"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$project" "$@"
   export PATH="$PWD/$venv/bin:$PATH"
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv and runs every check CI runs: lint, types, docs (strict), tests.
+# Sets up .venv and runs every check CI runs: lint, types, docs (strict), the sdist and
+# wheel (scripts/build-check.sh), tests.
 # GPU tests are skipped without a GPU; XARRAY_GDS_REQUIRE_GPU=1 makes them fail instead.
 source "$(dirname "$0")/_env.sh"
 setup_venv "test,docs,virtual"
@@ -21,4 +22,5 @@ ruff check xarray_gds tests asv_bench
 ruff format --check xarray_gds tests asv_bench
 mypy
 docs_strict
+bash scripts/build-check.sh
 python -m pytest -q -p no:cacheprovider "$@"

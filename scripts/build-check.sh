@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Builds the sdist, then the wheel from the sdist (python -m build), into a temporary
+# directory; checks both with `twine check --strict` and their contents with
+# scripts/check_dist.py. Run by scripts/test.sh, in a venv with the test extra (build,
+# twine); `python -m build` fetches hatchling into an isolated environment.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+dist=$(mktemp -d)
+trap 'rm -rf "$dist"' EXIT
+python -m build --outdir "$dist" .
+twine check --strict "$dist"/*
+python scripts/check_dist.py "$dist"

@@ -1,0 +1,209 @@
+"""What a new user meets first: the version, the README's install and demo steps,
+``scripts/demo.sh``'s install and the distribution checks of ``scripts/check_dist.py``
+(``scripts/build-check.sh`` runs the build itself, in ``scripts/test.sh``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import xarray_gds
+from xarray_gds.tools import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    """The README's ``## title`` section, up to the next one."""
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end >= 0 else None]
+
+
+def _commands(text: str) -> list[str]:
+    """The lines of the ```bash blocks of ``text``, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = (line.split("#")[0].strip() for block in blocks for line in block.splitlines())
+    return [line for line in lines if line]
+
+
+# --- the version ----------------------------------------------------------------------
+
+
+def test_version_lives_in_the_package_only() -> None:
+    project = PYPROJECT["project"]
+    assert "version" not in project
+    assert project["dynamic"] == ["version"]
+    assert PYPROJECT["tool"]["hatch"]["version"]["path"] == "xarray_gds/__init__.py"
+    # the installed metadata (built from pyproject.toml) and the package agree
+    assert importlib.metadata.version("xarray-gds") == xarray_gds.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.dev\d+)?", xarray_gds.__version__)
+
+
+# --- the README -----------------------------------------------------------------------
+
+
+def test_readme_installs_from_a_checkout() -> None:
+    # Not on PyPI yet: every install command of the section installs the checkout, in a
+    # virtual environment it makes, with an extra that pyproject.toml defines.
+    commands = _commands(_section("Install"))
+    assert commands[:3] == [
+        "git clone https://github.com/xarray-gds/xarray-gds.git",
+        "cd xarray-gds",
+        "python3 -m venv .venv",
+    ]
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    named = []
+    for command in commands[3:]:
+        target = re.fullmatch(r'\.venv/bin/pip install (\.|"\.\[(\w+)\]")', command)
+        assert target, command
+        assert target[2] is None or target[2] in extras, command
+        named.append(target[2])
+    assert named == ["cuda13", "cuda12", None]
+    # the published form is shown, as the future one, outside the commands
+    assert 'Once it is published, the same installs will be `pip install "xarray-gds[cuda13]"`' in (
+        " ".join(_section("Install").split())
+    )
+    assert PYPROJECT["project"]["urls"]["Repository"] in commands[0]
+
+
+def test_readme_demo_then_info_on_the_store_it_keeps() -> None:
+    commands = _commands(_section("Run the demo on a fresh machine"))
+    demo = re.fullmatch(r"bash scripts/demo\.sh --dir (\S+)", commands[0])
+    info = re.fullmatch(r"\.venv/bin/xarray-gds info (\S+)/(\S+)", commands[1])
+    assert demo and info, commands
+    assert info[1] == demo[1]
+    # the store `xarray-gds demo` writes with its default size and format
+    args = cli._parser().parse_args(["demo"])
+    assert info[2] == f"weather-{args.size}-v{args.zarr_format}.zarr"
+    assert f"/{demo[1]}/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_readme_docs_serve_after_installing_the_docs_extra() -> None:
+    commands = _commands(_section("Documentation"))
+    assert commands == ['.venv/bin/pip install -e ".[docs]"', ".venv/bin/mkdocs serve"]
+    assert any(
+        d.startswith("mkdocs>") for d in PYPROJECT["project"]["optional-dependencies"]["docs"]
+    )
+
+
+# --- scripts/demo.sh and scripts/_env.sh ----------------------------------------------
+
+
+def _bash() -> str:
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    return bash
+
+
+def test_demo_sh_installs_the_package_alone(tmp_path: Path) -> None:
+    # demo.sh run beside a stand-in _env.sh and xarray-gds that record what they get
+    scripts, log = tmp_path / "scripts", tmp_path / "log"
+    scripts.mkdir()
+    shutil.copy(ROOT / "scripts" / "demo.sh", scripts / "demo.sh")
+    (scripts / "_env.sh").write_text('setup_venv() { echo "extras=[$*]" >> "$LOG"; }\n')
+    fake = tmp_path / "bin" / "xarray-gds"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "run=[$*]" >> "$LOG"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_EXTRA"}
+    env.update(LOG=str(log), PATH=f"{fake.parent}{os.pathsep}{env['PATH']}")
+    for extra in (None, "cuda13"):
+        run_env = env if extra is None else {**env, "CUDA_EXTRA": extra}
+        subprocess.run(
+            [_bash(), str(scripts / "demo.sh"), "--dir", "demo-data"], env=run_env, check=True
+        )
+    assert log.read_text().splitlines() == [
+        "extras=[]",
+        "run=[demo --dir demo-data]",
+        "extras=[cuda13]",
+        "run=[demo --dir demo-data]",
+    ]
+    # and the script names no extra of its own (test, docs, virtual)
+    text = (ROOT / "scripts" / "demo.sh").read_text()
+    assert re.findall(r"^setup_venv .*$", text, flags=re.M) == ['setup_venv "${CUDA_EXTRA:-}"']
+    assert not re.search(r"\b(test|docs|virtual)\b", text.split("setup_venv", 1)[1])
+
+
+@pytest.mark.parametrize(("extras", "target"), [("", "."), ("cuda13", ".[cuda13]")])
+def test_setup_venv_installs_the_extras_asked_for(tmp_path: Path, extras: str, target: str) -> None:
+    # a stand-in venv whose python records its arguments (and passes the version check)
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$LOG"\n')
+    python.chmod(0o755)
+    log = tmp_path / "log"
+    script = 'source scripts/_env.sh && setup_venv "$1" "$2"'
+    subprocess.run(
+        [_bash(), "-c", script, "bash", extras, str(tmp_path / "venv")],
+        cwd=ROOT,
+        env={**os.environ, "LOG": str(log), "PYTHON": str(python)},
+        check=True,
+    )
+    pip = [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+    assert pip[-1].split()[-2:] == ["-e", target]
+
+
+# --- scripts/check_dist.py ------------------------------------------------------------
+
+
+@pytest.fixture
+def check_dist(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_dist", ROOT / "scripts" / "check_dist.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # the tracked files, as git would list them, without needing a git checkout
+    monkeypatch.setattr(
+        module, "tracked", lambda: {"pyproject.toml", "README.md", "xarray_gds/__init__.py"}
+    )
+    return module
+
+
+def _tar(path: Path, names: list[str]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    return path
+
+
+def test_check_dist_junk(check_dist: ModuleType) -> None:
+    names = [
+        ".venv/bin/python",
+        "docs/site/x.html",
+        "xarray_gds/__pycache__/a.cpython-312.pyc",
+        "wheels/xarray_gds-0.1.0-py3-none-any.whl",
+        "tests/.hypothesis/examples/x",
+        "xarray_gds/array.py",
+        "xarray_gds/tools/build_info.py",
+        "docs/development.md",
+    ]
+    assert check_dist.junk(names) == names[:5]
+
+
+def test_check_dist_sdist(check_dist: ModuleType, tmp_path: Path) -> None:
+    top = "xarray_gds-0.1.0/"
+    good = [top + n for n in ("PKG-INFO", "pyproject.toml", "README.md", "xarray_gds/__init__.py")]
+    assert check_dist.check_sdist(_tar(tmp_path / "good.tar.gz", good), "0.1.0") == []
+    bad = [*good[:3], top + ".venv/bin/python", "elsewhere.txt"]
+    assert check_dist.check_sdist(_tar(tmp_path / "bad.tar.gz", bad), "0.1.0") == [
+        "sdist: elsewhere.txt is outside xarray_gds-0.1.0/",
+        "sdist: holds .venv/bin/python, which no build needs",
+        "sdist: lacks xarray_gds/__init__.py",
+    ]
