@@ -14,6 +14,7 @@ import zarr
 from xarray import conventions
 from xarray.backends import BackendEntrypoint, ZarrStore
 from xarray.backends.common import NONE_VAR_NAME, datatree_from_dict_with_io_cleanup
+from xarray.backends.zarr import ZarrArrayWrapper
 from xarray.core import indexing
 from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
@@ -22,9 +23,10 @@ from zarr.abc.store import Store
 from xarray_gds import config, fuse, refs, remote
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
+from xarray_gds.codecs import netcdf_filters
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.errors import ConsolidatedMetadataWarning, warn
-from xarray_gds.pipeline import attach
+from xarray_gds.pipeline import attach, read_as_netcdf
 from xarray_gds.store import GdsStore
 
 __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
@@ -348,6 +350,22 @@ def placement(name: str, variable: xr.Variable) -> _device.Device | None:
     return "cuda" if variable.dtype.kind in "biufc" else None
 
 
+def _nczarr_shuffles(
+    raw_vars: Mapping[str, xr.Variable], members: Mapping[str, Any]
+) -> dict[str, xr.Variable]:
+    """The raw variables of a group, those whose arrays hold NCZarr's shuffle of
+    ``elementsize`` 0 read through zarr as netCDF-C reads them
+    (:func:`~xarray_gds.pipeline.read_as_netcdf`): xarray's own reads of them (index
+    coordinates, datetimes, :class:`HostDecodedArray`) included."""
+    fixed = dict(raw_vars)
+    for name, var in raw_vars.items():
+        array = members.get(_store_name(name))
+        if isinstance(array, zarr.Array) and netcdf_filters(array.metadata) is not None:
+            data = indexing.LazilyIndexedArray(ZarrArrayWrapper(read_as_netcdf(array)))
+            fixed[name] = xr.Variable(var.dims, data, var.attrs, var.encoding)
+    return fixed
+
+
 def _dataset_from_store(
     zstore: ZarrStore, device: _device.Device, decoders: dict[str, Any], gpu: int | None = None
 ) -> xr.Dataset:
@@ -357,6 +375,7 @@ def _dataset_from_store(
     config.validate()
     fuse.install()  # the engine's arrays are made here: dask's pass comes with them
     raw_vars, attrs = zstore.load()
+    raw_vars = _nczarr_shuffles(raw_vars, zstore.members)
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given
     raw_attrs = {name: dict(var.attrs) for name, var in raw_vars.items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -33,7 +34,14 @@ from zarr.registry import get_pipeline_class, register_pipeline
 from xarray_gds import coalesce, config, decode, sources
 from xarray_gds import device as _device
 from xarray_gds.batch import offload
-from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, host, plan_chain
+from xarray_gds.codecs import (
+    DecodeChain,
+    ShardChain,
+    Unsupported,
+    host,
+    netcdf_filters,
+    plan_chain,
+)
 from xarray_gds.codecs.encode import (
     EncodeChain,
     ShardEncode,
@@ -47,7 +55,7 @@ from xarray_gds.place import Tiling, place
 from xarray_gds.request import ByteRanges, Decoded, ReadRequest
 from xarray_gds.store import GdsStore
 
-__all__ = ["GdsCodecPipeline", "attach", "writing_to"]
+__all__ = ["GdsCodecPipeline", "attach", "read_as_netcdf", "writing_to"]
 
 _PATH = "xarray_gds.pipeline.GdsCodecPipeline"
 _warned: set[Any] = set()
@@ -67,10 +75,47 @@ def attach(array: zarr.Array) -> zarr.Array:
     pipe = inner.codec_pipeline
     if not isinstance(pipe, GdsCodecPipeline):
         metadata = inner.metadata
+        pipe = _zarr_pipeline(metadata, pipe)
         gds = GdsCodecPipeline(pipe, plan_chain(metadata), _key_parts(metadata), metadata)
         # zarr's own constructor sets this field of its frozen dataclass the same way
         object.__setattr__(inner, "codec_pipeline", gds)
     return array
+
+
+def read_as_netcdf(array: zarr.Array) -> zarr.Array:
+    """``array``, its chunks decoded by zarr's pipeline as netCDF-C decodes them.
+
+    netCDF-C's NCZarr writes the Zarr v2 filter ``{"id": "shuffle", "elementsize": 0}``
+    for a shuffle by the element size of the variable's type; zarr-python's codecs
+    (numcodecs) take 0 as no shuffle and return wrong values for every type of more
+    than one byte. Such an array's pipeline is rebuilt from its metadata with the
+    element size made explicit (:func:`xarray_gds.codecs.netcdf_filters`); the
+    metadata itself, and so the variable's ``encoding["filters"]``, stay as stored.
+    Any other array is returned untouched. :func:`attach` does the same to the
+    pipeline it keeps for what the batched read cannot do.
+    """
+    inner = array.async_array
+    pipe = inner.codec_pipeline
+    if not isinstance(pipe, GdsCodecPipeline):
+        fixed = _zarr_pipeline(inner.metadata, pipe)
+        if fixed is not pipe:
+            object.__setattr__(inner, "codec_pipeline", fixed)
+    return array
+
+
+def _zarr_pipeline(metadata: Any, pipe: CodecPipeline | None = None) -> CodecPipeline:
+    """zarr's pipeline for an array: ``pipe`` (or, if None, the one zarr builds from
+    ``metadata``), unless NCZarr's shuffle needs another (see :func:`read_as_netcdf`):
+    then the one zarr builds from the metadata with :func:`netcdf_filters`."""
+    filters = netcdf_filters(metadata)
+    if filters is not None:
+        metadata = dataclasses.replace(metadata, filters=filters)
+        pipe = None
+    if pipe is None:
+        pipe = create_codec_pipeline(metadata)  # no store: through from_codecs
+        if isinstance(pipe, GdsCodecPipeline):
+            pipe = pipe._fallback
+    return pipe
 
 
 class _WriteScope:
@@ -206,9 +251,7 @@ class GdsCodecPipeline(CodecPipeline):
         levels = _writes.levels_of(store)
         if levels is None and _writes.previous_class() is not None:
             raise NotImplementedError  # zarr then builds the previous setting's pipeline
-        fallback = create_codec_pipeline(array_metadata)  # no store: through from_codecs
-        if isinstance(fallback, GdsCodecPipeline):
-            fallback = fallback._fallback
+        fallback = _zarr_pipeline(array_metadata)
         if levels is None:  # the path set by the user: every array takes this pipeline
             levels = config.get("levels")
         return cls(

@@ -22,7 +22,15 @@ from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
 from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
 from xarray_gds.codecs.formats import CRC32C, FORMATS, Compressor
 
-__all__ = ["Compressor", "DecodeChain", "ShardChain", "Unsupported", "codec_name", "plan_chain"]
+__all__ = [
+    "Compressor",
+    "DecodeChain",
+    "ShardChain",
+    "Unsupported",
+    "codec_name",
+    "netcdf_filters",
+    "plan_chain",
+]
 
 #: Names of the compression formats with a batched decoder on the host and (Blosc: for
 #: its lz4, lz4hc, zstd and zlib streams) on the device.
@@ -196,6 +204,37 @@ def _zarr_compressor(codec: Any) -> Compressor | None:
     return None
 
 
+def _shuffle_size(shuffle: numcodecs.Shuffle, dtype: np.dtype) -> int:
+    """The element size a Zarr v2 ``shuffle`` filter shuffles by: netCDF-C's NCZarr
+    writes ``elementsize: 0`` for "the element size of the variable's type", which
+    numcodecs alone would take as no shuffle at all."""
+    return int(shuffle.elementsize) or dtype.itemsize
+
+
+def netcdf_filters(metadata: Any) -> tuple[Any, ...] | None:
+    """The Zarr v2 filters of ``metadata`` with each ``shuffle`` of ``elementsize`` 0
+    given the dtype's element size, as netCDF-C reads them; None when there is none to
+    change (Zarr v3 metadata, single-byte types, no such filter).
+
+    zarr-python's own codecs (numcodecs) read such chunks unshuffled, so an array
+    decoded by them is given these filters instead (see
+    :func:`xarray_gds.pipeline.attach`).
+    """
+    if not isinstance(metadata, ArrayV2Metadata) or not metadata.filters:
+        return None
+    dtype = np.dtype(metadata.dtype.to_native_dtype())
+    if dtype.itemsize <= 1:
+        return None
+    filters = tuple(metadata.filters)
+    fixed = tuple(
+        numcodecs.Shuffle(elementsize=dtype.itemsize)
+        if isinstance(f, numcodecs.Shuffle) and int(f.elementsize) == 0
+        else f
+        for f in filters
+    )
+    return None if all(a is b for a, b in zip(fixed, filters, strict=True)) else fixed
+
+
 def _plan_v3(meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]) -> Any:
     codecs = tuple(meta.codecs)
     if len(codecs) == 1 and isinstance(codecs[0], zc.ShardingCodec):
@@ -277,7 +316,7 @@ def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain
     planned: list[ByteFilter] = []
     for f in reversed(filters):  # decode order
         if isinstance(f, numcodecs.Shuffle):
-            planned.append(Unshuffle(int(f.elementsize)))
+            planned.append(Unshuffle(_shuffle_size(f, dtype)))
         elif (
             isinstance(f, numcodecs.Delta)
             and np.dtype(f.dtype) == np.dtype(f.astype)
