@@ -345,15 +345,15 @@ def test_info_group_and_root_array(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_info_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "missing.zarr"
-    assert cli.main(["info", str(missing)]) == 2
+    assert cli.main(["info", str(missing)]) == 1  # a failure, not a usage error
     out, err = capsys.readouterr()
     assert str(missing) in err and not out
 
-    assert cli.main(["info", str(tmp_path)]) == 2
+    assert cli.main(["info", str(tmp_path)]) == 1
     assert "not a Zarr store" in capsys.readouterr().err
 
     path = _v3_store(tmp_path / "v3.zarr")
-    assert cli.main(["info", str(path), "--group", "nope"]) == 2
+    assert cli.main(["info", str(path), "--group", "nope"]) == 1
     err = capsys.readouterr().err
     assert f"group 'nope' not found in Zarr store {open_store_url(path)}" in err
     assert err.rstrip().endswith("the groups in it are: '/', '/forecast'")
@@ -363,6 +363,121 @@ def test_info_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
     assert cli.main(["info"]) == 2  # argparse usage error, no SystemExit
     assert "path" in capsys.readouterr().err
+
+
+def test_info_json_has_the_facts_of_the_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``info --json`` parses as JSON and says what the text says: arrays, shapes,
+    chunks, shards, codecs and where each decodes, placement and routes."""
+    for path in (_v2_store(tmp_path / "v2.zarr"), _v3_store(tmp_path / "v3.zarr")):
+        assert cli.main(["info", str(path), "--device", "cuda"]) == 0
+        text = capsys.readouterr().out
+        assert cli.main(["info", str(path), "--device", "cuda", "--json"]) == 0
+        facts = json.loads(capsys.readouterr().out)
+        blocks = sections(text)
+        assert facts["store"] == text.split("store:", 1)[1].split("\n", 1)[0].strip()
+        assert f"zarr format:  {facts['zarr_format']}\n" in text
+        assert facts["kind"] == "group" and facts["node"] == "/"
+        device_line = text.split("device:", 1)[1].split("\n", 1)[0].strip()
+        assert facts["device"] == {"device": "cuda", "gpu": None, "text": device_line}
+        assert {a["path"] for a in facts["arrays"]} == set(blocks)
+        for array in facts["arrays"]:
+            block = blocks[array["path"]]
+            assert field(block, "shape") == _text.shape(tuple(array["shape"]))
+            assert field(block, "chunks") == _text.shape(tuple(array["chunks"]))
+            assert field(block, "dtype") == array["dtype"]
+            if array["shards"] is None:
+                assert "shards" not in block
+            else:
+                assert field(block, "shards") == _text.shape(tuple(array["shards"]))
+            if array["dims"] is not None:
+                assert field(block, "dims") == _text.dims(tuple(array["dims"]))
+            for name in ("placement", "decode", "encode"):
+                assert field(block, name) == array[name]
+            for codec in array["codecs"]:
+                row = field(block, codec["role"])
+                assert row == f"{codec['codec']} | {codec['decodes_on']}"
+    t2m = next(a for a in facts["arrays"] if a["path"] == "/forecast/t2m")
+    assert t2m["shards"] == [8, 10] and t2m["chunks"] == [4, 5]
+    roles = [c["role"] for c in t2m["codecs"]]
+    assert "serializer" in roles and "inner compressor" in roles
+
+
+def test_info_json_of_cf_attributes_is_strict_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ds = xr.Dataset({"u": ("t", np.array([1.0, np.nan, 3.0], "f4"), {"units": "m s-1"})})
+    ds["u"].encoding["_FillValue"] = np.float32(np.nan)
+    ds.to_zarr(tmp_path / "v3.zarr", zarr_format=3, consolidated=False)
+    assert cli.main(["info", str(tmp_path / "v3.zarr"), "--device", "cpu", "--json"]) == 0
+    out = capsys.readouterr().out
+    facts = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    (u,) = (a for a in facts["arrays"] if a["path"] == "/u")
+    assert u["cf"]["units"] == "m s-1" and u["cf"]["_FillValue"] == "nan"
+    assert facts["device"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        ("gpu", "cuda (--device cuda)"),
+        ("cuda", "cuda (--device cuda)"),
+        ("cuda:1", "cuda:1 (--device cuda:1)"),
+        ("cpu", "cpu (--device cpu)"),
+    ],
+)
+def test_info_device_takes_what_python_takes(
+    given: str,
+    line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from types import SimpleNamespace
+
+    runtime = SimpleNamespace(getDeviceCount=lambda: 2)
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: (True, ""))
+    monkeypatch.setattr(xarray_gds.device, "cupy", lambda: fake)
+    path = _v2_store(tmp_path / "v2.zarr")
+    assert cli.main(["info", str(path), "--device", given]) == 0
+    out = capsys.readouterr().out
+    assert f"device:       {line}\n" in out
+    assert cli.main(["info", str(path), "--device", "cuda:2"]) == 2  # beyond the 2 GPUs
+    assert "this machine has 2 GPUs (cuda:0 to cuda:1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["tpu", "cuda:x", "cuda:-1"])
+@pytest.mark.parametrize("command", ["info", "demo"])
+def test_bad_device_is_a_usage_error(
+    given: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [command, "--device", given] + ([str(tmp_path)] if command == "info" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{given!r} is not a device: use auto, cpu, gpu, cuda or cuda:N" in err
+
+
+@pytest.mark.parametrize("repeat", ["0", "-1", "two"])
+def test_bench_repeat_below_one_is_a_usage_error(
+    repeat: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "--repeat", repeat, "--case", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--repeat" in err and ("must be 1 or more" in err or "whole number" in err)
+
+
+def test_unreachable_store_is_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/one.zarr"  # bound but never listening: refused
+    assert cli.main(["info", url]) == 1
+    err = capsys.readouterr().err
+    assert url in err and "the server cannot be reached" in err and "AWS" not in err
 
 
 def open_store_url(path: Path) -> str:

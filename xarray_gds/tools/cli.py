@@ -293,6 +293,47 @@ def _describe_array(array: Any, device: _device.Device) -> str:
     return "\n".join(lines)
 
 
+def _json_value(value: Any) -> Any:
+    """An attribute or fill value as JSON holds it: numpy scalars as Python ones, and
+    the floats JSON has no literal for (nan, inf) as the text Python writes for them."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, bytes | complex | np.ndarray):
+        return str(value)
+    return value
+
+
+def _array_json(array: Any, device: _device.Device) -> dict[str, Any]:
+    """What :func:`_describe_array` prints, as a JSON object."""
+    dims = _dimension_names(array)
+    order = array.metadata.order if array.metadata.zarr_format == 2 else None
+    cf = {k: v for k, v in _cf_attrs(array).items() if k in _CF_DECODING_ATTRS}
+    return {
+        "path": "/" + array.path if array.path else "/",
+        "shape": list(array.shape),
+        "dtype": str(array.dtype),
+        "dims": list(dims) if dims is not None else None,
+        "chunks": list(array.chunks),
+        "shards": list(array.shards) if array.shards is not None else None,
+        "order": order,
+        "fill_value": _json_value(array.fill_value),
+        "cf": _json_value(cf),
+        "placement": _engine_placement(array, device),
+        "decode": _route(array, device),
+        "encode": _write_route(array, device),
+        "codecs": [
+            {"role": role.strip(), "codec": codec, "decodes_on": where}
+            for role, codec, where in _codec_rows(array, device)
+        ],
+    }
+
+
 def _group_paths(store: Any) -> list[str]:
     """Paths of the groups in ``store``, root first (empty when it has no root group)."""
     try:
@@ -303,14 +344,58 @@ def _group_paths(store: Any) -> list[str]:
     return ["/", *sorted("/" + p for p in groups)]
 
 
-def _info_device(asked: str) -> tuple[_device.Device, str]:
+def _device_arg(text: str) -> str:
+    """``--device``: ``auto`` or what ``device=`` takes in Python (see
+    :func:`xarray_gds.device.parse_device`); anything else is a usage error."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        _device.parse_device(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device: use auto, cpu, gpu, cuda or cuda:N (GPU number N, from 0)"
+        ) from None
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _gpu_of(asked: str) -> tuple[str, int | None]:
+    """``--device`` as ``auto``, ``cpu`` or ``cuda``, and the GPU number of ``cuda:N``,
+    checked against this machine's GPUs where it has any.
+
+    Raises
+    ------
+    ValueError
+        ``cuda:N`` beyond the GPUs of this machine (the message gives their count).
+    """
+    if asked == "auto":
+        return "auto", None
+    kind, gpu = _device.parse_device(asked)
+    if gpu is not None and _device.cuda_status()[0]:
+        _device.resolve(asked)  # refuses N beyond the count, naming it
+    return kind or "auto", gpu
+
+
+def _info_device(asked: str, gpu: int | None = None) -> tuple[_device.Device, str]:
     """The device ``info`` describes reads on, and a line that says why."""
     if asked == "cpu":
         return "cpu", "cpu (--device cpu)"
     ok, reason = _device.cuda_status()
     reason = reason.split("; ")[0]  # without the install hint
     if asked == "cuda":
-        return "cuda", "cuda (--device cuda)" + ("" if ok else f"; no usable GPU here: {reason}")
+        name = "cuda" if gpu is None else f"cuda:{gpu}"
+        return "cuda", f"{name} (--device {name})" + (
+            "" if ok else f"; no usable GPU here: {reason}"
+        )
     if ok:
         return "cuda", f"cuda ({_text.gpu_name()})"
     return "cpu", f"cpu (no usable GPU: {reason}); --device cuda shows a GPU run's routes"
@@ -363,10 +448,15 @@ def _run_info(args: argparse.Namespace) -> int:
         _text.error("info", remote.redact(str(message), options, str(args.path)))
 
     try:
+        asked, gpu = _gpu_of(args.device)
+    except ValueError as err:
+        _text.error("info", err)
+        return 2
+    try:
         store = open_store(args.path, storage_options=options or None)
     except (OSError, ValueError, KeyError) as err:
         fail(err)  # names the path and says what is wrong
-        return 2
+        return 1
     try:
         node = zarr.open(store=store, mode="r", path=args.group or "")
     except (OSError, ValueError, KeyError) as err:
@@ -380,8 +470,8 @@ def _run_info(args: argparse.Namespace) -> int:
             fail(err)
         else:
             fail(f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
-        return 2
-    device, device_line = _info_device(args.device)
+        return 1
+    device, device_line = _info_device(asked, gpu)
     if isinstance(node, zarr.Group):
         arrays = sorted(
             (a for _, a in node.members(max_depth=None) if isinstance(a, zarr.Array)),
@@ -393,6 +483,22 @@ def _run_info(args: argparse.Namespace) -> int:
         arrays = [node]
         kind = "array"
     shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else store
+    if args.json:
+        import json
+
+        facts = {
+            "store": str(shown),
+            "zarr_format": node.metadata.zarr_format,
+            "node": "/" + node.path,
+            "kind": "group" if isinstance(node, zarr.Group) else "array",
+            "consolidated": (
+                bool(node.metadata.consolidated_metadata) if isinstance(node, zarr.Group) else None
+            ),
+            "device": {"device": device, "gpu": gpu, "text": device_line},
+            "arrays": [_array_json(a, device) for a in arrays],
+        }
+        print(json.dumps(facts, indent=2))
+        return 0
     print(f"store:        {shown}")
     print(f"zarr format:  {node.metadata.zarr_format}")
     print(f"node:         /{node.path} ({kind})")
@@ -470,12 +576,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--zarr-format", type=int, choices=(2, 3), default=3)
     demo.add_argument(
         "--device",
-        choices=("cuda", "cpu", "auto"),
+        type=_device_arg,
         default="auto",
-        help="where gds-zarr places numeric data; auto uses a GPU when one is usable",
+        metavar="{auto,cpu,gpu,cuda,cuda:N}",
+        help="where gds-zarr places numeric data, as device= in Python; auto uses a GPU "
+        "when one is usable",
     )
     demo.add_argument("--size", choices=tuple(demo_cmd.DEMO_SIZES), default="small")
-    demo.set_defaults(run=demo_cmd.run)
+    demo.set_defaults(run=_run_demo)
 
     info = commands.add_parser(
         "info",
@@ -501,10 +609,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     info.add_argument(
         "--device",
-        choices=("cuda", "cpu", "auto"),
+        type=_device_arg,
         default="auto",
-        help="describe reads on this device; auto: the GPU when one is usable, as the "
-        "engine's default",
+        metavar="{auto,cpu,gpu,cuda,cuda:N}",
+        help="describe reads on this device (as device= in Python); auto: the GPU when "
+        "one is usable, as the engine's default",
+    )
+    info.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON object (store, device, and per array: shape, chunks, codecs, "
+        "where each decodes, placement, routes) instead of the text",
     )
     info.set_defaults(run=_run_info)
 
@@ -516,7 +631,9 @@ def _parser() -> argparse.ArgumentParser:
         "zstd case, the raw kvikio + nvCOMP limit. Prints GB/s and ratios.",
     )
     bench.add_argument("--size-gb", type=float, default=2.0, help="store size (default 2)")
-    bench.add_argument("--repeat", type=int, default=3, help="timed runs, best kept")
+    bench.add_argument(
+        "--repeat", type=_positive_int, default=3, help="timed runs, best kept (1 or more)"
+    )
     bench.add_argument("--case", action="append", help="run only this case (repeatable)")
     bench.add_argument("--dir", help="where to write the stores (default: a temp dir)")
     bench.add_argument("--json", help="also write the results as JSON to this file")
@@ -538,6 +655,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     calibrate.set_defaults(run=_run_calibrate)
     return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """The demo, with ``--device`` as the demo takes it (``auto``, ``cpu``, ``cuda``):
+    ``gpu`` is ``cuda``; ``cuda:N`` is ``cuda`` run with GPU N current."""
+    try:
+        asked, gpu = _gpu_of(args.device)
+    except ValueError as err:
+        _text.error("demo", err)
+        return 2
+    args.device = asked
+    if gpu is None or not _device.cuda_status()[0]:
+        return demo_cmd.run(args)  # without a GPU the demo says so for --device cuda
+    with _device.on_gpu(gpu):
+        return demo_cmd.run(args)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -562,9 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     Returns
     -------
     int
-        The exit status: 0 on success, 1 when a command failed, 2 for usage errors and
-        stores that cannot be opened, 141 (as for a process killed by SIGPIPE) when the
-        reader of the output went away before it was all written.
+        The exit status: 0 on success, 1 when a command failed (a store that cannot be
+        opened or read, unreachable or missing, included), 2 for usage errors (unknown
+        commands or options, a ``--device`` that is not a device, ``--repeat`` below 1,
+        a malformed ``--storage-option``), 141 (as for a process killed by SIGPIPE) when
+        the reader of the output went away before it was all written.
     """
     parser = _parser()
     try:
