@@ -451,3 +451,39 @@ def test_fill_values_match_zarr(
 def test_fill_value_mask_argument_is_checked(v3_path: Path) -> None:
     with pytest.raises(TypeError, match="use_zarr_fill_value_as_mask must be True, False or None"):
         xr.open_dataset(v3_path, engine="gds-zarr", use_zarr_fill_value_as_mask="yes", device="cpu")
+
+
+@pytest.mark.parametrize("mask_and_scale", [False, True], ids=lambda m: f"mask_and_scale={m}")
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_fill_value_mask_false_as_xarray_store(
+    tmp_path: Path, device: str, zarr_format: Literal[2, 3], mask_and_scale: bool
+) -> None:
+    """``_FillValue`` set through encoding, read with ``use_zarr_fill_value_as_mask=False``
+    (issue 30, item 6/7.2). In Zarr v2 xarray stores it as the array's ``fill_value``
+    only, so the argument (ignore that) leaves no ``_FillValue`` attribute and no mask:
+    what ``xarray.backends.ZarrStore.open_group`` reads. ``engine="zarr"`` passes None
+    for the argument whatever it is given (pydata/xarray#10269) and so reports and
+    masks with it; if the last assertion fails, xarray now applies the argument and
+    both engines read the same: compare with engine="zarr" directly then."""
+    ds = xr.Dataset({"a": (("y", "x"), np.arange(12, dtype="f4").reshape(3, 4))})
+    ds["a"].encoding["_FillValue"] = 5.0  # the value at [1, 1]
+    path = tmp_path / "fill.zarr"
+    ds.to_zarr(path, zarr_format=zarr_format, consolidated=True)
+    kwargs: dict[str, Any] = {"mask_and_scale": mask_and_scale}
+    ref = xr.open_dataset(
+        ZarrStore.open_group(str(path), mode="r", use_zarr_fill_value_as_mask=False), **kwargs
+    )
+    gds = xr.open_dataset(
+        path, engine="gds-zarr", use_zarr_fill_value_as_mask=False, device=device, **kwargs
+    )
+    assert_same(gds, ref, device)
+    fill_attr = "_FillValue" in gds["a"].attrs
+    assert fill_attr == (zarr_format == 3 and not mask_and_scale)
+    value = float(gds["a"].as_numpy()[1, 1])
+    masked = zarr_format == 3 and mask_and_scale  # a v3 _FillValue is an attribute
+    assert np.isnan(value) if masked else value == 5.0
+    # engine="zarr" ignores the argument: it reads as with None (the default)
+    with_zarr = xr.open_dataset(path, engine="zarr", use_zarr_fill_value_as_mask=False, **kwargs)
+    default = xr.open_dataset(path, engine="zarr", **kwargs)
+    xr.testing.assert_identical(with_zarr.load(), default.load())
+    assert with_zarr.identical(ref.load()) == (zarr_format == 3)

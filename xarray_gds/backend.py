@@ -23,8 +23,8 @@ from zarr.abc.store import Store
 from xarray_gds import config, fuse, refs, remote
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
-from xarray_gds.codecs import netcdf_filters
 from xarray_gds.cf import plan_cf_decoding
+from xarray_gds.codecs import netcdf_filters
 from xarray_gds.errors import ConsolidatedMetadataWarning, warn
 from xarray_gds.pipeline import attach, read_as_netcdf
 from xarray_gds.store import GdsStore
