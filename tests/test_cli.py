@@ -714,7 +714,7 @@ def test_console_script(tmp_path: Path) -> None:
         text=True,
         check=False,
     )
-    assert result.returncode == 2
+    assert result.returncode == 1  # a missing store is a failure, not a usage error
     assert "nope.zarr" in result.stderr
     assert "Traceback" not in result.stderr
 
