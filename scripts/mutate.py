@@ -58,6 +58,8 @@ def _m(id: str, path: str, old: str, new: str, *tests: str) -> Mutant:
 
 T_PARTS = "tests/test_parts.py"
 T_REGION = "tests/test_region.py"
+T_PIPELINE = "tests/test_pipeline.py"
+T_PLACE = "tests/test_place.py"
 T_COALESCE = "tests/test_coalesce.py"
 T_STORE = "tests/test_store.py"
 T_HOST = "tests/test_host_logic.py"
@@ -68,8 +70,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "region:rows-drop-r0",
         "region.py",
-        "origin = [(box.lo[0] + r0 + a) * cs[0]]",
-        "origin = [(box.lo[0] + a) * cs[0]]",
+        "origin = [(box.lo[0] + r0) * cs[0]]",
+        "origin = [box.lo[0] * cs[0]]",
         T_PARTS,
         T_REGION,
     ),
@@ -96,12 +98,38 @@ MUTANTS: list[Mutant] = [
         "hi = tuple(b // c for b, c in zip(stop, chunks, strict=True))",
         T_REGION,
     ),
+    # place.py: decoded chunks into the output (box reads, zarr's indexing, shards)
     _m(
-        "region:fill-missing-ignored",
-        "region.py",
-        "if len(present) < n_keys:  # missing chunks read as the fill value",
-        "if False:",
+        "place:fill-missing-ignored",
+        "place.py",
+        "missing = sorted(set(range(n)) - set(present)) if len(present) < n else []",
+        "missing = []",
+        T_PLACE,
         T_REGION,
+        T_PIPELINE,
+    ),
+    _m(
+        "place:tiled-window-offset-dropped",
+        "place.py",
+        "at = window[0].start + first - crop[0].start",
+        "at = first - crop[0].start",
+        T_PARTS,
+        T_REGION,
+    ),
+    _m(
+        "place:tiled-positions-ignored",
+        "place.py",
+        "if len(present) < n or not np.array_equal(present, np.arange(n)):",
+        "if len(present) < n:",
+        T_PLACE,
+        T_PIPELINE,
+    ),
+    _m(
+        "place:tiling-order-ignored",
+        "place.py",
+        "chunks = chunks[xp.asarray(np.argsort(tiling.order))]",
+        "chunks = chunks",
+        f"{T_PIPELINE}::test_tile_puts_chunks_in_grid_order_whatever_their_order",
     ),
     # fuse.py: dask blocks joined into groups
     _m(
@@ -302,6 +330,14 @@ MUTANTS: list[Mutant] = [
         "spans[-1] = (first, s0, end, members)",
         f"{T_HOST}::test_ranges_joined_into_spans_are_cut_back_exactly",
         "tests/test_engine.py::test_merge_ranges_joins_ranges_of_one_key_across_small_gaps",
+    ),
+    _m(
+        "sources:get-ranges-member-misplaced",
+        "sources.py",
+        "found[members[j]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
+        "found[members[0]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
+        "tests/test_sources.py",
+        T_PIPELINE,
     ),
     # remote.py and refs.py: the parts of the GPU paths that need no GPU
     Mutant(
