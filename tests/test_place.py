@@ -4,6 +4,7 @@ with CuPy arrays)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from xarray_gds.place import STREAMED, Tiling, place
 
@@ -63,3 +64,21 @@ def test_tiling_order_puts_chunk_j_at_grid_position_order_j() -> None:
     out = np.zeros_like(WHOLE)
     place(out, given, [0, 1, 2, 3], 4, _where, -1, False, tiling=Tiling(GRID, FULL, FULL, order))
     np.testing.assert_array_equal(out, WHOLE)
+
+
+def test_the_device_branches_place_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's branches (one untile of every row, copies one after the other) with
+    numpy standing in for CuPy: what runs on the GPU places what the host places."""
+    from xarray_gds import place as place_module
+
+    monkeypatch.setattr(place_module._device, "array_module", lambda device: np)
+    window, crop = (slice(5, 8), slice(0, 4)), (slice(1, 4), slice(2, 6))
+    for tiling in (None, Tiling(GRID, window, crop)):
+        host, device = np.zeros((8, 6), dtype="i4"), np.zeros((8, 6), dtype="i4")
+        for out, on_device in ((host, False), (device, True)):
+            if tiling is None:
+                place(out, CHUNKS[[0, 2]], [0, 2], 4, _where, -1, on_device)
+            else:
+                place(out, CHUNKS[[0, 2]], [0, 2], 4, _where, -1, on_device, tiling=tiling)
+        np.testing.assert_array_equal(device, host)
+        assert (host != 0).any()
