@@ -219,7 +219,7 @@ def test_failed_new_variables_leave_dataset(
 
 class _Writes:
     """``xarray_gds.io.local.write_file`` counted for the chunk files of one store: how many
-    are running; the ``fail_at``-th one (1-based) fails with ENOSPC once another chunk
+    are running; the ``fail_at``-th one (1-based) fails with ENOSPC once a later chunk
     write has started, and the writes around it wait (at most ``hold`` seconds) for the
     test to see ``to_zarr`` return, so that writes are still in flight when it fails."""
 
@@ -233,7 +233,7 @@ class _Writes:
         self.count = 0
         self.running = 0
         self.lock = threading.Condition()
-        self.started = threading.Event()  #: a chunk write other than the failing one began
+        self.later = threading.Event()  #: a chunk write after the failing one began
         self.returned = threading.Event()  #: to_zarr returned
         monkeypatch.setattr(local_io, "write_file", self)
 
@@ -246,11 +246,14 @@ class _Writes:
             k = self.count
             self.running += 1
         try:
+            if self.fail_at is not None and k > self.fail_at:
+                self.later.set()
             if self.fail_at is not None and k == self.fail_at:
-                self.started.wait(timeout=10)
+                # fail once a later write is in flight (the writes before it are held
+                # at most ``hold`` seconds, so a thread frees for it however loaded)
+                assert self.later.wait(timeout=60), "no chunk write after the failing one"
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
             if self.fail_at is not None and k <= self.fail_at + 4:
-                self.started.set()
                 self.returned.wait(timeout=self.hold)
             self.real(path, data)
         finally:
