@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import netCDF4
 import numcodecs
 import numpy as np
 import pytest
@@ -25,10 +26,13 @@ from xarray_gds.codecs import DecodeChain, Unsupported, netcdf_filters, plan_cha
 from xarray_gds.codecs.filters import Unshuffle
 from xarray_gds.errors import HostRouteWarning
 
-netCDF4 = pytest.importorskip("netCDF4")
-
 #: data variables written with shuffle and zlib, by dtype
-DATA = {"f32": "f4", "i16": "i2", "f64": "f8", "i8": "i1"}
+DATA = {"f32": "f4", "i16": "i2", "f64": "f8"}
+#: one-byte values too, where zarr can open them: NCZarr writes their dtype as "<i1",
+#: which zarr 3.3 (the lowest version claimed) refuses for the whole store
+ONE_BYTE = tuple(int(p) for p in zarr.__version__.split(".")[:2]) >= (3, 4)
+if ONE_BYTE:
+    DATA["i8"] = "i1"
 
 
 def _url(path: Path) -> str:
@@ -104,8 +108,8 @@ def test_engine_zarr_misreads_nczarr_shuffle(nczarr_path: Path, truth: xr.Datase
         for name in ("f32", "i16", "f64", "packed", "checked", "x"):
             differ = zarr_ds[name].values != truth[name].values
             assert differ.mean() > 0.9, (name, differ.mean())
-        # one-byte values: shuffling them changes nothing
-        np.testing.assert_array_equal(zarr_ds["i8"].values, truth["i8"].values)
+        if ONE_BYTE:  # one-byte values: shuffling them changes nothing
+            np.testing.assert_array_equal(zarr_ds["i8"].values, truth["i8"].values)
 
 
 def _read(path: Path, device: str, **kwargs: Any) -> xr.Dataset:
