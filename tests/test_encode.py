@@ -40,12 +40,18 @@ def test_adler32_matches_zlib(size: int) -> None:
         (3, {"compressors": zc.ZstdCodec(checksum=True)}, "checksum=True"),
         (3, {"compressors": zc.ZstdCodec(level=7)}, "level=7"),
         (3, {"compressors": zc.GzipCodec(level=1)}, "level=1"),
-        (3, {"compressors": zc.BloscCodec()}, "blosc"),
+        (3, {"compressors": zc.BloscCodec(clevel=7)}, "clevel=7"),
+        (3, {"compressors": zc.BloscCodec(cname="blosclz")}, "blosclz) has no GPU encoder"),
         (3, {"compressors": (zc.ZstdCodec(), zc.Crc32cCodec())}, "crc32c"),
-        (3, {"shards": (16, 32), "compressors": zc.BloscCodec()}, "inner chunks: blosc"),
+        (
+            3,
+            {"shards": (16, 32), "compressors": zc.BloscCodec(cname="lz4hc")},
+            "inner chunks: cname=lz4hc",
+        ),
         (2, {"compressors": numcodecs.Zstd(level=5)}, "level=5"),
         (2, {"compressors": numcodecs.LZ4(acceleration=3)}, "acceleration=3"),
-        (2, {"compressors": numcodecs.Blosc()}, "blosc"),
+        (2, {"compressors": numcodecs.Blosc(cname="snappy")}, "snappy) has no GPU encoder"),
+        (2, {"compressors": numcodecs.Blosc(clevel=1)}, "clevel=1"),
         (2, {"filters": [numcodecs.Shuffle(4)], "compressors": numcodecs.Zstd()}, "filters"),
     ],
 )
@@ -199,8 +205,9 @@ def test_device_values_of_codecs_without_gpu_encoder_warn(tmp_path: Path) -> Non
 
     ds, values = _dataset("cuda")
     out = tmp_path / "blosc.zarr"
+    codec = zc.BloscCodec(cname="blosclz")  # Blosc of lz4, lz4hc, zstd, zlib encodes there
     with pytest.warns(RuntimeWarning, match=r"'a' uses codecs .*blosc.* encoded there"):
-        xarray_gds.to_zarr(ds, out, encoding={"a": {"compressors": zc.BloscCodec()}})
+        xarray_gds.to_zarr(ds, out, encoding={"a": {"compressors": codec}})
     np.testing.assert_array_equal(xr.open_dataset(out, engine="zarr").a.values, values)
 
 

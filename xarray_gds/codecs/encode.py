@@ -59,6 +59,9 @@ class EncodeChain:
         Stream format (one of :data:`ENCODED`) or ``None`` for uncompressed chunks.
     codecs : tuple of str
         Codec names, for messages.
+    options : object, optional
+        The compressor's settings, for formats whose chunks are containers of streams
+        (Blosc: a :class:`~xarray_gds.codecs.blosc_encode.BloscEncode`); None otherwise.
     """
 
     chunk_shape: tuple[int, ...]
@@ -66,6 +69,16 @@ class EncodeChain:
     stored_order: tuple[int, ...]
     compressor: Format | None
     codecs: tuple[str, ...]
+    options: Any = None
+
+    @property
+    def frames(self) -> Any:
+        """The container settings the chunks are written with (None: raw streams)."""
+        if self.compressor is None:
+            return None
+        if self.options is not None:
+            return self.options
+        return self.compressor.encode_options(None, self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +153,10 @@ def _plan_chunks(chain: DecodeChain, codec: Any, levels: str) -> EncodeChain | s
             f"chunks of {chain.nbytes} bytes exceed nvCOMP's {fmt.nvcomp} limit of "
             f"{fmt.encode_limit >> 20} MiB"
         )
-    return EncodeChain(chain.chunk_shape, chain.dtype, chain.stored_order, fmt, chain.codecs)
+    options = fmt.encode_options(codec, chain.dtype)
+    return EncodeChain(
+        chain.chunk_shape, chain.dtype, chain.stored_order, fmt, chain.codecs, options
+    )
 
 
 @dataclass(frozen=True)
@@ -361,6 +377,11 @@ def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
     fmt = chain.compressor
     if fmt is None:
         return pack(None, None, data, None)
+    frames = chain.frames
+    if frames is not None:  # containers of streams (Blosc)
+        from xarray_gds.codecs.blosc_encode import encode_frames
+
+        return Encoded(*encode_frames(frames, data))
     raw = [fmt.encode_raw(row) for row in data]
     checksums = adler32(data, np) if fmt.adler32 else None
     return pack(fmt, raw, data, checksums)

@@ -492,6 +492,21 @@ def encode(chain: Any, chunks: Any) -> Any:
     fmt = chain.compressor
     if fmt is None:
         return enc.pack(None, None, _to_pinned(data), None)
+    frames = chain.frames
+    if frames is not None:  # containers of streams (Blosc): blocks in one batch
+        from xarray_gds.codecs.blosc_encode import encode_frames
+
+        return enc.Encoded(
+            *encode_frames(
+                frames,
+                data,
+                xp=cp,
+                compress=compress_streams,
+                gather=gather,
+                adler=adler32,
+                to_host=_to_pinned,
+            )
+        )
     n, nbytes = data.shape
     checksums = adler32(data) if fmt.adler32 else None
     stride = -(-nbytes // _ALIGN) * _ALIGN  # nvCOMP wants aligned inputs
@@ -499,11 +514,38 @@ def encode(chain: Any, chunks: Any) -> Any:
         padded = cp.empty((n, stride), dtype=cp.uint8)
         padded[:, :nbytes] = data
         data = padded
+    offsets = np.arange(n, dtype=np.int64) * stride
+    out, rows, sizes = _encode_batch(
+        fmt, data.reshape(-1), offsets, np.full(n, nbytes, dtype=np.int64)
+    )
+    starts, total, head = enc.stream_starts(fmt, sizes)
+    packed = cp.empty(max(1, total), dtype=cp.uint8)
+    gather(out, rows, packed, starts + head, sizes)
+    host = _to_pinned(packed)
+    return enc.Encoded(host, starts, enc.add_framing(fmt, host, starts, sizes, nbytes, checksums))
+
+
+def compress_streams(
+    inner: Any, flat: Any, offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Raw streams of ``inner.format`` (a Blosc frame's inner streams) of the pieces
+    ``flat[offsets[i]:][:sizes[i]]`` of a device buffer, with one nvCOMP call (pieces
+    not on an aligned offset are copied first): ``(buffer, starts, sizes)``."""
+    src = _aligned(DeviceBatch(flat, offsets, sizes), offsets, sizes)
+    return _encode_batch(inner.format, src.arena, src.offsets, src.sizes)
+
+
+def _encode_batch(
+    fmt: Format, buffer: Any, offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[Any, np.ndarray, np.ndarray]:
+    """One nvCOMP encode of the (aligned) pieces of ``buffer`` into rows of one device
+    buffer: ``(out, row starts, compressed sizes)``."""
+    cp = _device.cupy()
+    n = len(sizes)
     stream, _ = _state()
     stream.wait_event(cp.cuda.get_current_stream().record())
-    offsets = np.arange(n, dtype=np.int64) * stride
-    inputs = _batch(data.reshape(-1), offsets, np.full(n, nbytes, dtype=np.int64), stream)
-    row = fmt.encode_bound(nbytes)
+    inputs = _batch(buffer, offsets, sizes, stream)
+    row = fmt.encode_bound(int(sizes.max()) if n else 0)
     try:
         for attempt in range(2):
             row = -(-row // _ALIGN) * _ALIGN
@@ -520,11 +562,7 @@ def encode(chain: Any, chunks: Any) -> Any:
                 if attempt or needed is None:
                     raise
                 row = int(needed.group(1))
-        sizes = np.asarray(result.buffer_sizes, dtype=np.int64)
+        got = np.asarray(result.buffer_sizes, dtype=np.int64)
     finally:
         stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it
-    starts, total, head = enc.stream_starts(fmt, sizes)
-    packed = cp.empty(max(1, total), dtype=cp.uint8)
-    gather(out, rows, packed, starts + head, sizes)
-    host = _to_pinned(packed)
-    return enc.Encoded(host, starts, enc.add_framing(fmt, host, starts, sizes, nbytes, checksums))
+    return out, rows, got

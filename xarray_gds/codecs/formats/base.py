@@ -197,6 +197,12 @@ class Format:
         compression levels aside (see :meth:`level_setting`)."""
         return ""
 
+    def encode_options(self, codec: Any, dtype: np.dtype) -> Any:
+        """What the batched encoder needs to know of ``codec`` (``None``: the codec's
+        default when ``codec`` is None) beyond the format, for formats whose chunks are
+        containers made by :meth:`encode_frames` (Blosc); None for raw-stream formats."""
+        return None
+
     def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
         """``(name, level, default level)`` of the level-like setting of ``codec``."""
         classes = tuple(c for c in (self.numcodecs_class, self.zarr_class) if c is not None)

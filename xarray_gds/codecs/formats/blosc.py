@@ -4,6 +4,8 @@ A frame holds LZ4, Zstd, zlib (or blosclz, snappy) streams plus a byte or bit sh
 :mod:`xarray_gds.codecs.blosc` takes frames apart, and the device decodes their
 streams piece by piece with the inner formats listed in :data:`STREAMS`. One numcodecs
 ``Blosc()`` decodes every frame on the host (frames say how they decode).
+:mod:`xarray_gds.codecs.blosc_encode` makes frames of lz4, lz4hc, zstd and zlib in
+batches (nvCOMP compresses the blocks on the GPU).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numcodecs
+import numpy as np
 import zarr.codecs as zc
 
 from xarray_gds.codecs.blosc import STREAMS, InnerStream, parse_frames
+from xarray_gds.codecs.blosc_encode import ENCODED_CNAMES, BloscEncode
 from xarray_gds.codecs.formats.base import Compressor, Format, Rates
 
 __all__ = ["BLOSC", "STREAMS", "Blosc", "InnerStream"]
@@ -28,7 +32,8 @@ class Blosc(Format):
     """The Blosc1 format (see the module docstring)."""
 
     numcodecs_class = numcodecs.Blosc
-    level_name = None  # no batched encoder
+    zarr_class = zc.BloscCodec
+    level_name = "clevel"
 
     def compressor(self, cname: Any) -> Compressor:
         """Blosc with compressor ``cname``; frames say how they decode, so one numcodecs
@@ -44,15 +49,52 @@ class Blosc(Format):
     def from_zarr(self, codec: Any) -> Compressor | None:
         return self.compressor(codec.cname) if isinstance(codec, zc.BloscCodec) else None
 
+    def refuse_encode(self, codec: Any) -> str:
+        cname = _cname(codec)
+        if cname not in ENCODED_CNAMES:
+            return f"blosc (cname {cname}) has no GPU encoder (only lz4, lz4hc, zstd, zlib)"
+        if cname in ("lz4", "lz4hc") and int(getattr(codec, "blocksize", 0) or 0) > 1 << 24:
+            return "blosc blocks over 16 MiB exceed nvCOMP's LZ4 limit"
+        return ""
+
+    def level_setting(self, codec: Any) -> tuple[str, Any, Any] | None:
+        if not isinstance(codec, numcodecs.Blosc | zc.BloscCodec):
+            return None
+        if _cname(codec) == "lz4hc":  # nvCOMP writes LZ4 streams at its one level
+            return "cname", "lz4hc", "lz4"
+        return "clevel", int(codec.clevel), 5
+
+    def encode_options(self, codec: Any, dtype: np.dtype) -> BloscEncode:
+        """The frames' settings: the codec's compressor, shuffle (numcodecs' automatic
+        shuffle resolved as it resolves it), typesize (the codec's, else the dtype's
+        item size) and blocksize; ``codec=None``: lz4 with byte shuffle."""
+        if codec is None:
+            return BloscEncode("lz4", 1, min(255, dtype.itemsize))
+        shuffle = codec.shuffle
+        typesize = int(getattr(codec, "typesize", None) or dtype.itemsize)
+        if isinstance(codec, zc.BloscCodec):
+            mode = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(getattr(shuffle, "value", shuffle))]
+        else:
+            mode = int(shuffle)
+            if mode == numcodecs.Blosc.AUTOSHUFFLE:
+                mode = 2 if typesize == 1 else 1
+        if typesize > 255:  # c-blosc stores such types with typesize 1
+            typesize = 1
+        return BloscEncode(_cname(codec), mode, typesize, int(codec.blocksize or 0))
+
     def check_host(self, chunks: Sequence[Any], nbytes: int, keys: Sequence[str]) -> bool:
         # check every frame's tables before c-blosc reads them (it trusts them)
         parse_frames(chunks, keys, nbytes)
         return True  # every frame declares nbytes
 
 
+def _cname(codec: Any) -> str:
+    cname = codec.cname
+    return str(getattr(cname, "value", cname))
+
+
 #: The Blosc1 format.
 BLOSC = Blosc(
     name="blosc",
     rates=Rates(gpu_chunk=270e6, gpu_batch=42.8e9, host_thread=1.83e9),
-    encodes=False,
 )
