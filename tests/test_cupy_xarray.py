@@ -97,7 +97,7 @@ def test_xarray_to_zarr_goes_through_the_pipeline_when_selected(
 
 
 #: xarray's public option that keeps dask blocks of device variables on the device
-_ON_DEVICE: Any = xarray_gds.GdsDaskManager()
+_ON_DEVICE: Any = "gds-dask"
 
 #: how a dataset of the engine is made before xarray writes it
 _SOURCES: dict[str, Callable[[Path], xr.Dataset]] = {

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from xarray_gds import GdsDaskManager, GdsStore
+from xarray_gds import GdsStore
 from xarray_gds.array import GdsBackendArray
 
 from .conftest import sample_dataset
@@ -38,7 +38,7 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 #: xarray's public option that keeps dask blocks of device variables on the device
-_ON_DEVICE: dict[str, Any] = {"chunked_array_type": GdsDaskManager()}
+_ON_DEVICE: dict[str, Any] = {"chunked_array_type": "gds-dask"}
 
 
 def _blocks_on(ds: xr.Dataset, device: str) -> None:
@@ -177,12 +177,41 @@ def test_chunk_manager_gives_device_meta(v3_store: Path, device: str) -> None:
     xr.testing.assert_allclose(reduced.compute().as_numpy(), ref.t2m.mean("time").compute())
 
 
+def test_registered_chunk_manager_by_name_and_option(parts: list[Path], device: str) -> None:
+    """``"gds-dask"`` is an ``xarray.chunkmanagers`` entry point: chosen by name or by
+    xarray's ``chunk_manager`` option it gives blocks on the variable's device, while
+    every dask array stays xarray's own dask manager's (two managers claiming one type
+    would make xarray refuse every dask operation)."""
+    from xarray.namedarray.daskmanager import DaskManager
+    from xarray.namedarray.parallelcompat import get_chunked_array_type, list_chunkmanagers
+
+    from xarray_gds.chunks import GdsDaskManager
+
+    assert type(list_chunkmanagers()["gds-dask"]) is GdsDaskManager
+    ref = xr.open_mfdataset(parts, engine="zarr", **_MINIMAL)
+    with xr.set_options(chunk_manager="gds-dask"):
+        gds = xr.open_mfdataset(parts, engine="gds-zarr", device=device, **_MINIMAL)
+        rechunked = gds.chunk(time=1)  # an existing dask array is rechunked, not wrapped
+    assert type(get_chunked_array_type(gds.t2m.data)) is DaskManager
+    assert hasattr(gds.t2m.data._meta, "__cuda_array_interface__") == (device == "cuda")
+    _blocks_on(gds, device)
+    assert rechunked.t2m.data.chunks[0] == (1,) * gds.sizes["time"]
+    xr.testing.assert_identical(rechunked.load().as_numpy(), ref.load())
+    named = xr.open_dataset(
+        parts[0], engine="gds-zarr", device=device, chunks={}, chunked_array_type="gds-dask"
+    )
+    _blocks_on(named, device)
+    xr.testing.assert_allclose(
+        named.t2m.mean("time").compute().as_numpy(),
+        xr.open_dataset(parts[0], engine="zarr").t2m.mean("time"),
+    )
+
+
 @pytest.mark.gpu
 def test_local_cuda_cluster_end_to_end(parts: list[Path]) -> None:
     """A dask-cuda worker (one per GPU) reads and decodes on its own GPU."""
     dask_cuda = pytest.importorskip("dask_cuda")
     distributed = pytest.importorskip("distributed")
-    import xarray_gds
 
     with (
         dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as cluster,
@@ -193,7 +222,7 @@ def test_local_cuda_cluster_end_to_end(parts: list[Path]) -> None:
             engine="gds-zarr",
             device="cuda",
             parallel=True,
-            chunked_array_type=xarray_gds.GdsDaskManager(),
+            chunked_array_type="gds-dask",
             **_MINIMAL,
         )
         got = gds.t2m.mean("time").compute()

@@ -51,7 +51,7 @@ def joined_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 def _open(path: Path, device: str, **kwargs: Any) -> tuple[xr.Dataset, xr.Dataset]:
     if device == "cuda" and "chunks" in kwargs:
-        kwargs["chunked_array_type"] = xarray_gds.GdsDaskManager()
+        kwargs["chunked_array_type"] = "gds-dask"
     gds = xr.open_dataset(path, engine="gds-zarr", device=device, **kwargs)
     kwargs.pop("chunked_array_type", None)
     return gds, xr.open_dataset(path, engine="zarr", **kwargs)
@@ -437,7 +437,7 @@ def test_install_keeps_an_existing_optimization() -> None:
 def test_default_manager_warns_once_and_gives_numpy(v3_store: Path) -> None:
     fuse._warned_host_blocks = False
     gds = xr.open_dataset(v3_store, engine="gds-zarr", device="cuda", chunks={})
-    with pytest.warns(UserWarning, match=r"GdsDaskManager"):
+    with pytest.warns(UserWarning, match=r"gds-dask"):
         got = gds.t2m.compute()
     assert isinstance(got.data, np.ndarray)
     with warnings.catch_warnings():

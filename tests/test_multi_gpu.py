@@ -359,7 +359,7 @@ def _check_on_cluster(stores: list[Path], client: Any, n_gpus: int) -> None:
     import multiprocessing
 
     reads = Reads(client)
-    on_gpu = {"chunked_array_type": xarray_gds.GdsDaskManager()}
+    on_gpu = {"chunked_array_type": "gds-dask"}
     gds = xr.open_mfdataset(
         stores, engine="gds-zarr", device="cuda", parallel=True, **MINIMAL, **on_gpu
     )

@@ -263,7 +263,7 @@ def test_xarray_arguments_match_zarr(v3_path: Path, device: str, kwargs: dict[st
     if "chunks" in kwargs:
         pytest.importorskip("dask")
         # xarray's default dask manager copies device blocks to numpy (see chunks.py)
-        gds_kwargs["chunked_array_type"] = xarray_gds.GdsDaskManager()
+        gds_kwargs["chunked_array_type"] = "gds-dask"
     gds = xr.open_dataset(v3_path, engine="gds-zarr", device=device, **gds_kwargs)
     ref = xr.open_dataset(v3_path, engine="zarr", **kwargs)
     assert set(gds.xindexes) == set(ref.xindexes)

@@ -144,7 +144,7 @@ def test_dask_compute_false_and_empty_chunks(tmp_path: Path, v3_store: Path, dev
     pytest.importorskip("dask.array")
     kw: dict[str, Any] = {"chunks": {}}
     if device == "cuda":
-        kw["chunked_array_type"] = xarray_gds.GdsDaskManager()  # CuPy blocks and meta
+        kw["chunked_array_type"] = "gds-dask"  # CuPy blocks and meta
     gds = xr.open_dataset(v3_store, engine="gds-zarr", device=device, **kw)
     want = _xarray_round_trip(v3_store, tmp_path)
     out = tmp_path / "out.zarr"

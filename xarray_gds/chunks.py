@@ -4,17 +4,24 @@ xarray wraps lazily indexed backend arrays into dask arrays with ``meta=np.ndarr
 and dask converts every block it slices out of them with ``np.asarray``: xarray's
 indexing adapter answers that with a copy to host memory. With xarray's default
 chunk manager, the blocks of ``engine="gds-zarr"`` variables are therefore decoded
-on the GPU and then copied to numpy. Passing :class:`GdsDaskManager` as xarray's
-public ``chunked_array_type`` argument keeps everything else the same and keeps the
+on the GPU and then copied to numpy. :class:`GdsDaskManager`, registered with xarray
+as the chunk manager ``"gds-dask"``, keeps everything else the same and keeps the
 blocks of device variables on the device, with a CuPy ``meta``::
 
-    ds = xr.open_dataset(path, engine="gds-zarr", chunks={},
-                         chunked_array_type=xarray_gds.GdsDaskManager())
+    ds = xr.open_dataset(path, engine="gds-zarr", chunks={}, chunked_array_type="gds-dask")
     type(ds.t2m.data._meta)                     # cupy.ndarray
     type(ds.t2m.data.blocks[0, 0, 0].compute())  # cupy.ndarray
 
-It is not registered as an ``xarray.chunkmanagers`` entry point on purpose: two
-registered managers that both claim dask arrays would make xarray refuse to choose.
+    with xr.set_options(chunk_manager="gds-dask"):   # for every open in the block
+        ds = xr.open_mfdataset(paths, engine="gds-zarr")
+
+Why a name to choose rather than the default: xarray picks the chunk manager before
+it calls a backend and tells the backend nothing about ``chunks``, and its dask
+manager declares ``meta=np.ndarray`` for every backend array. Only xarray's global
+``chunk_manager`` option could change that for every open, and a library must not
+set another library's options. The manager never claims a dask array as its own
+(:meth:`GdsDaskManager.is_chunked_array` is false): every dask array, CuPy blocks or
+not, stays xarray's dask manager's, so the two registered managers never compete.
 """
 
 from __future__ import annotations
@@ -73,9 +80,20 @@ class DeviceBlocks:
 
 
 class GdsDaskManager(DaskManager):
-    """xarray's dask chunk manager, keeping GPU-placed variables' blocks on the GPU."""
+    """xarray's dask chunk manager, keeping GPU-placed variables' blocks on the GPU.
+
+    Registered under xarray's ``xarray.chunkmanagers`` entry point as ``"gds-dask"``:
+    ``chunked_array_type="gds-dask"`` or ``xr.set_options(chunk_manager="gds-dask")``.
+    """
+
+    def is_chunked_array(self, data: Any) -> bool:
+        # Only creation differs from xarray's dask manager; every existing dask array
+        # stays that manager's, so that xarray never finds two managers for one type.
+        return False
 
     def from_array(self, data: Any, chunks: Any, **kwargs: Any) -> Any:
+        if super().is_chunked_array(data):  # ds.chunk() of a dask-backed variable
+            return self.rechunk(data, chunks)
         if device_of(data) != "cuda":
             return super().from_array(data, chunks, **kwargs)
         import dask.array as da

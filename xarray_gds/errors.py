@@ -34,7 +34,7 @@ class ConsolidatedMetadataWarning(XarrayGdsWarning, RuntimeWarning):
 
 class HostBlocksWarning(XarrayGdsWarning, UserWarning):
     """Dask blocks decoded on the GPU come back as numpy blocks (xarray's default chunk
-    manager); pass ``chunked_array_type=xarray_gds.GdsDaskManager()`` to keep them."""
+    manager); pass ``chunked_array_type="gds-dask"`` to keep them."""
 
 
 def _package_dir(module: str) -> str | None:

@@ -500,9 +500,9 @@ def _warn_host_blocks(sources: dict[Hashable, tuple[Any, bool]], used: set[Hasha
                 f"xarray-gds: the dask blocks of {lazy.array.name!r} are decoded on the GPU "
                 "and then copied to host memory (numpy), because xarray's default dask "
                 "chunk manager declares numpy blocks for every backend array. To keep them "
-                "on the GPU as CuPy blocks, pass "
-                "chunked_array_type=xarray_gds.GdsDaskManager() to xr.open_dataset or "
-                "xr.open_mfdataset (see the Dask page of the docs).",
+                'on the GPU as CuPy blocks, pass chunked_array_type="gds-dask" to '
+                "xr.open_dataset or xr.open_mfdataset, or open inside "
+                'xr.set_options(chunk_manager="gds-dask") (see the Dask page of the docs).',
                 HostBlocksWarning,
             )
             return
