@@ -213,10 +213,10 @@ def frame_layout(settings: BloscEncode, nbytes: int, raw_sizes: np.ndarray) -> F
     """Place a batch of frames whose blocks compressed to ``raw_sizes`` ``(n, nblocks)``
     raw streams (the inner format's framing, zlib's, comes on top)."""
     raw_sizes = np.asarray(raw_sizes, dtype=np.int64)
-    n, nblocks = raw_sizes.shape
+    nblocks = raw_sizes.shape[1]
     blocksize = settings.block_size(nbytes)
     dsize = np.minimum(blocksize, nbytes - np.arange(nblocks, dtype=np.int64) * blocksize)
-    skip, trim = settings.inner.strip
+    trim = settings.inner.strip[1]
     framed = raw_sizes + trim
     raw = framed >= dsize[None, :]
     stored = np.where(raw, dsize[None, :], framed)
@@ -275,7 +275,7 @@ def write_tables(out: np.ndarray, layout: FrameLayout, sums: np.ndarray | None) 
     bstart, stored, raw = layout.bstart[framed], layout.stored[framed], layout.raw[framed]
     _put_i32(out, f_starts[:, None] + HEADER_NBYTES + 4 * np.arange(nblocks), bstart)
     _put_i32(out, f_starts[:, None] + bstart, stored)
-    skip, trim = s.inner.strip
+    trim = s.inner.strip[1]
     if not trim:
         return
     inner = s.inner.format

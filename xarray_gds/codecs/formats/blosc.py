@@ -73,7 +73,8 @@ class Blosc(Format):
         shuffle = codec.shuffle
         typesize = int(getattr(codec, "typesize", None) or dtype.itemsize)
         if isinstance(codec, zc.BloscCodec):
-            mode = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(getattr(shuffle, "value", shuffle))]
+            name = str(getattr(shuffle, "value", shuffle))
+            mode = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[name]
         else:
             mode = int(shuffle)
             if mode == numcodecs.Blosc.AUTOSHUFFLE:
