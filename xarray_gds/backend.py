@@ -282,7 +282,15 @@ def _open_stores(
             filename_or_obj, mode, storage_options, consolidated
         )
         storage_options = None
+    storage = None
+    if _icechunk(filename_or_obj):
+        storage, storage_options = _icechunk_storage(storage_options)
     source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
+    if _icechunk(source):  # its chunks read where they lie (xarray_gds/ice.py)
+        from xarray_gds.ice import IcechunkReadStore
+
+        source = IcechunkReadStore(source, storage)
+        filename_or_obj, storage_options = source, None
     root = group
     if all_groups:  # the root of the groups, as a path from the store's root
         root = str(NodePath("/") / NodePath(group)) if group else "/"
@@ -297,6 +305,27 @@ def _open_stores(
     )
 
 
+def _icechunk(obj: Any) -> bool:
+    """An Icechunk session's store, or a zarr Group of one (nothing imports icechunk to
+    ask: a user who holds such a store has imported it)."""
+    import sys
+
+    icechunk = sys.modules.get("icechunk")
+    if icechunk is None:
+        return False
+    store = obj.store if isinstance(obj, zarr.Group) else obj
+    return isinstance(store, icechunk.IcechunkStore)
+
+
+def _icechunk_storage(storage_options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+    """Where an Icechunk repository's native chunks lie (its ``icechunk_storage``), and
+    the storage_options left for zarr: none (a Store object takes none)."""
+    from xarray_gds.ice import chunk_storage
+
+    storage, _ = chunk_storage(storage_options)
+    return storage, None
+
+
 def _open_zarr_stores(
     store: Store, *, group: str | None, all_groups: bool, **kwargs: Any
 ) -> dict[str, ZarrStore]:
@@ -309,6 +338,8 @@ def _open_zarr_stores(
     for name in ("consolidated", "use_zarr_fill_value_as_mask"):
         if kwargs[name] not in (None, True, False):
             raise TypeError(f"{name} must be True, False or None, got {kwargs[name]!r}")
+    if not getattr(store, "supports_consolidated_metadata", True):
+        kwargs["consolidated"] = consolidated = False  # as engine="zarr" (Icechunk)
     if consolidated is None:
         kwargs["consolidated"] = _consolidated(store, group, zarr_format)
     kwargs.update(group=group, consolidate_on_close=False)

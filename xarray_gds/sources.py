@@ -412,11 +412,27 @@ def source_for(store: Any) -> Source:
 
     if isinstance(store, ReferenceStore):
         return ReferenceSource(store)
+    if _is_icechunk(store):
+        from xarray_gds.ice import IcechunkSource
+
+        return IcechunkSource(store)
     if isinstance(store, GdsStore):
         return LocalSource(store)
     if remote.kvikio_target(store) is not None:
         return RemoteSource(store)
     return StoreSource(store)
+
+
+def _is_icechunk(store: Any) -> bool:
+    """An Icechunk session's store, bare or as the engine opens it (nothing imports
+    icechunk or :mod:`xarray_gds.ice` to ask)."""
+    import sys
+
+    ice = sys.modules.get("xarray_gds.ice")
+    if ice is not None and isinstance(store, ice.IcechunkReadStore):
+        return True
+    icechunk = sys.modules.get("icechunk")
+    return icechunk is not None and isinstance(store, icechunk.IcechunkStore)
 
 
 def read(
