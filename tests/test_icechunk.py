@@ -107,3 +107,36 @@ def test_icechunk_reads_through_the_engine(tmp_path: Path) -> None:
     for key in [{"time": slice(1, 5)}, {"x": [0, 3, 7]}, {"time": 2, "y": slice(None, None, 2)}]:
         xr.testing.assert_identical(gds.isel(key).load(), ref.isel(key).load())
     assert isinstance(gds.t2m.values, np.ndarray)
+
+
+def test_failed_write_leaves_the_last_commit_and_says_so(tmp_path: Path) -> None:
+    """A write that fails half way (its second dask block raises, after the metadata
+    and the first block are in the session): the error says nothing was committed and
+    what to do with the session; the branch reads as at its last commit, and the
+    session's partial write is discarded as the note says."""
+    import dask.array as da
+
+    repo = _repo(tmp_path / "r")
+    _write(repo, _ours, _dataset(0, 4), mode="w", encoding=_ENCODING)
+    last = repo.lookup_branch("main")
+    before = _read(repo, "zarr")
+
+    def explode(block: np.ndarray, block_info: Any = None) -> np.ndarray:
+        if block_info[0]["chunk-location"][0] == 1:
+            raise RuntimeError("disk on fire")
+        return block
+
+    more = _dataset(4, 4)
+    data = da.from_array(more.t2m.values, chunks=(2, 6, 8)).map_blocks(explode, dtype="f4")
+    more["t2m"] = more.t2m.copy(data=data)
+    session = repo.writable_session("main")
+    with pytest.raises(RuntimeError, match="disk on fire") as info:
+        xarray_gds.to_zarr(more, session.store, append_dim="time", safe_chunks=False)
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "nothing was committed" in note and last in note
+    assert "session.discard_changes()" in note
+    assert session.has_uncommitted_changes  # part of the write is in the session
+    assert repo.lookup_branch("main") == last
+    xr.testing.assert_identical(_read(repo, "zarr"), before)
+    session.discard_changes()
+    assert not session.has_uncommitted_changes

@@ -144,8 +144,12 @@ def to_zarr(
     if _transactional(store):
         # its commit is the all-or-nothing guarantee, and it checks chunk keys against
         # the metadata: written in the order zarr writes them, nothing held back
-        with writing_to(store, levels):
-            return prepared.to_zarr(store, **kwargs)
+        try:
+            with writing_to(store, levels):
+                return prepared.to_zarr(store, **kwargs)
+        except Exception as err:
+            err.add_note(_uncommitted_note(store))
+            raise
     # every other store: metadata goes to it after the data it describes (see
     # xarray_gds.deferred); with compute=False after what this call writes, as xarray
     # writes it at once (a store initialised with compute=False is the template of
@@ -175,6 +179,20 @@ def _transactional(store: Store) -> bool:
     holds such a store has imported it."""
     icechunk = sys.modules.get("icechunk")
     return icechunk is not None and isinstance(store, icechunk.IcechunkStore)
+
+
+def _uncommitted_note(store: Any) -> str:
+    """What a failed write into an Icechunk session left: the repository as it was at
+    its last commit, and the session holding part of the write."""
+    session = getattr(store, "session", None)
+    snapshot = getattr(session, "snapshot_id", None)
+    at = f" (snapshot {snapshot})" if snapshot else ""
+    return (
+        "xarray-gds: the write into the Icechunk session failed and nothing was "
+        f"committed: the repository is as it was at its last commit{at}. The session "
+        "holds what the write did before it failed: call session.discard_changes() (or "
+        "open a new session) before writing again, and do not commit this one."
+    )
 
 
 def _as_store(store: Any, storage_options: dict[str, Any] | None) -> Store:
