@@ -10,7 +10,6 @@ its S3 prefix, the referenced file, inline bytes).
 from __future__ import annotations
 
 import socket
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,14 +243,11 @@ def _mixed_repo(tmp_path: Path) -> tuple[icechunk.Repository, np.ndarray]:
     config.set_virtual_chunk_container(
         icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(str(raw)))
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        credentials = icechunk.containers_credentials({prefix: None})
-        repo = icechunk.Repository.create(
-            icechunk.local_filesystem_storage(str(tmp_path / "repo")),
-            config=config,
-            authorize_virtual_chunk_access=credentials,
-        )
+    repo = icechunk.Repository.create(
+        icechunk.local_filesystem_storage(str(tmp_path / "repo")),
+        config=config,
+        authorize_virtual_chunk_access={prefix: icechunk.credentials.LocalFileSystemAccess},
+    )
     session = repo.writable_session("main")
     root = zarr.group(session.store)
     a = root.create_array(
@@ -304,6 +300,96 @@ def test_native_virtual_and_inline_chunks(tmp_path: Path) -> None:
     )
     np.testing.assert_array_equal(raw.a.values, expected)
     np.testing.assert_array_equal(raw.b.values, np.arange(8) * 3)
+
+
+# -- VirtualiZarr: references to NetCDF4 files in a repository ----------------------------
+
+
+def _netcdf(path: Path) -> None:
+    """A NetCDF4 file as archives hold them: an unlimited time axis with CF units, zlib +
+    shuffle chunks of a packed int16 variable (scale_factor, add_offset, _FillValue and
+    masked values) and of a float variable, coordinate variables."""
+    import netCDF4
+
+    rng = np.random.default_rng(3)
+    with netCDF4.Dataset(path, "w") as d:
+        d.title = "virtual"
+        d.createDimension("time", None)
+        d.createDimension("lat", 24)
+        d.createDimension("lon", 36)
+        t = d.createVariable("time", "f8", ("time",))
+        t.units = "hours since 2000-01-01"
+        t[:] = np.arange(6) * 6.0
+        d.createVariable("lat", "f4", ("lat",))[:] = np.linspace(-90, 90, 24)
+        d.createVariable("lon", "f4", ("lon",))[:] = np.linspace(0, 350, 36)
+        packed = d.createVariable(
+            "t2m",
+            "i2",
+            ("time", "lat", "lon"),
+            zlib=True,
+            shuffle=True,
+            chunksizes=(1, 12, 18),
+            fill_value=np.int16(-32767),
+        )
+        packed.scale_factor = 0.01
+        packed.add_offset = 273.15
+        values = rng.normal(0, 1000, (6, 24, 36)).astype("i2")
+        packed.set_auto_maskandscale(False)
+        values[0, :3, :4] = -32767
+        packed[:] = values
+        rain = d.createVariable(
+            "rain", "f4", ("time", "lat", "lon"), zlib=True, shuffle=True, chunksizes=(2, 24, 36)
+        )
+        rain[:] = rng.gamma(1.0, 2.0, (6, 24, 36)).astype("f4")
+
+
+def test_virtualizarr_repository_matches_h5netcdf(tmp_path: Path, device: str) -> None:
+    """A repository VirtualiZarr made of references to two NetCDF4 files (zlib + shuffle
+    chunks, decoded by the engine: on the GPU with the cuda device) reads what h5netcdf
+    reads from the files; every chunk is virtual, read from the files' byte ranges."""
+    pytest.importorskip("virtualizarr", reason="VirtualiZarr is not installed (virtual extra)")
+    from obspec_utils.registry import ObjectStoreRegistry
+    from obstore.store import LocalStore
+    from virtualizarr import open_virtual_dataset
+    from virtualizarr.parsers import HDFParser
+
+    files = tmp_path / "files"
+    files.mkdir()
+    _netcdf(files / "a.nc")
+    prefix = f"file://{files}/"
+    registry = ObjectStoreRegistry({"file://": LocalStore()})
+    vds = open_virtual_dataset(f"file://{files / 'a.nc'}", registry=registry, parser=HDFParser())
+    config = icechunk.RepositoryConfig.default()
+    config.set_virtual_chunk_container(
+        icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(str(files)))
+    )
+    repo = icechunk.Repository.create(
+        icechunk.local_filesystem_storage(str(tmp_path / "repo")),
+        config=config,
+        authorize_virtual_chunk_access={prefix: icechunk.credentials.LocalFileSystemAccess},
+    )
+    session = repo.writable_session("main")
+    vds.vz.to_icechunk(session.store)
+    session.commit("virtual")
+    store = repo.readonly_session("main").store
+    found = _locations(store, {"icechunk_storage": repo.storage}, ["t2m/c/0/1/1", "rain/c/2/0/0"])
+    assert [(Path(r.target).name, r.data) for r in found] == [("a.nc", None), ("a.nc", None)]
+    options = {"icechunk_storage": repo.storage}
+    expected = xr.open_dataset(files / "a.nc", engine="h5netcdf").load()
+    for kw in ({}, {"chunks": {}}):
+        got = xr.open_dataset(
+            store, engine="gds-zarr", device=device, storage_options=options, **kw
+        )
+        loaded = got.load()
+        if device == "cuda":
+            import cupy as cp
+
+            assert isinstance(loaded.t2m.data, cp.ndarray) and isinstance(
+                loaded.rain.data, cp.ndarray
+            )
+        xr.testing.assert_identical(loaded.as_numpy(), expected)
+        sel = {"time": [4, 1], "lat": slice(3, 20), "lon": slice(None, None, 5)}
+        xr.testing.assert_identical(got.isel(sel).load().as_numpy(), expected.isel(sel))
 
 
 # -- fallbacks ---------------------------------------------------------------------------
