@@ -27,7 +27,7 @@ import zarr
 import zarr.codecs as zc
 
 from xarray_gds import device as _device
-from xarray_gds.tools import bench_cluster, bench_refs, s3_server
+from xarray_gds.tools import bench_cluster, bench_icechunk, bench_refs, s3_server
 
 __all__ = ["CASES", "Result", "make_store", "run"]
 
@@ -729,6 +729,39 @@ CASES: dict[str, dict[str, Any]] = {
         "store": {"chunk_bytes": 4 << 20},
         "contenders": bench_refs.host_contenders,
         "note": bench_refs.note,
+    },
+    # issue 32: Icechunk repositories (local filesystem storage; virtual references)
+    "icechunk-2var": {
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": bench_icechunk.contenders,
+        "note": bench_icechunk.note,
+    },
+    "icechunk-virtual": {
+        "gpu": True,
+        "scale": 1.0,
+        "repeat": 1,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_icechunk.virtual_contenders,
+        "note": bench_icechunk.note,
+    },
+    "host-icechunk-2var": {
+        "gpu": False,
+        "repeat": 1,
+        "scale": 0.02,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": bench_icechunk.host_contenders,
+        "note": bench_icechunk.note,
+    },
+    "host-icechunk-virtual": {
+        "gpu": False,
+        "repeat": 1,
+        "scale": 0.02,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_icechunk.host_virtual_contenders,
+        "note": bench_icechunk.note,
     },
     "host-small-chunks": {
         "gpu": False,
