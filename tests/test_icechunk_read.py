@@ -227,6 +227,18 @@ def test_zarr_group_of_a_session(local_repo: icechunk.Repository) -> None:
     xr.testing.assert_identical(gds.load(), xr.open_dataset(store, engine="zarr").load())
 
 
+def test_engine_store_pickles_with_its_storage(local_repo: icechunk.Repository) -> None:
+    """What dask-distributed workers get: the session's store and where its chunks lie."""
+    import pickle
+
+    storage, _ = chunk_storage({"icechunk_storage": local_repo.storage})
+    store = IcechunkReadStore(local_repo.readonly_session("main").store, storage)
+    again = pickle.loads(pickle.dumps(store))
+    assert again.storage == storage
+    keys = ["t2m/c/0/0/0", "flag/c/1/0"]
+    assert IcechunkSource(again).locate(keys) == IcechunkSource(store).locate(keys)
+
+
 # -- native, virtual and inline chunks in one repository --------------------------------
 
 
