@@ -11,12 +11,14 @@ from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
 from xarray_gds.chunks import GdsDaskManager
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
 from xarray_gds.errors import ChunkDecodeError, XarrayGdsWarning
+from xarray_gds.loader import BatchLoader
 from xarray_gds.store import GdsStore
 from xarray_gds.write import to_zarr
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchLoader",
     "ChunkDecodeError",
     "GdsDaskManager",
     "GdsStore",
