@@ -654,7 +654,34 @@ def _parser() -> argparse.ArgumentParser:
         "(XARRAY_GDS_ROUTE_CONSTANTS). Needs a GPU.",
     )
     calibrate.set_defaults(run=_run_calibrate)
+
+    tidy = commands.add_parser(
+        "tidy",
+        help="remove what killed writes left in a local store",
+        description="List and remove what a writer killed with SIGKILL can leave in a "
+        "local Zarr store: partial files, chunk files outside their array's shape, "
+        "arrays with no metadata, metadata documents newer than the consolidated "
+        "metadata (put back). Holds the store's writer lock.",
+    )
+    tidy.add_argument("path", help="a local Zarr store (directory)")
+    tidy.add_argument("--dry-run", action="store_true", help="only list what would go")
+    tidy.set_defaults(run=_run_tidy)
     return parser
+
+
+def _run_tidy(args: argparse.Namespace) -> int:
+    from xarray_gds.tidy import tidy
+
+    try:
+        found = tidy(args.path, dry_run=args.dry_run)
+    except (FileNotFoundError, TimeoutError) as err:
+        print(f"{PROG} tidy: {err}", file=sys.stderr)
+        return 1
+    for item in found:
+        print(item)
+    verb = "would be removed or put back (dry run)" if args.dry_run else "removed or put back"
+    print(f"{len(found)} leftover(s) {verb}")
+    return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:
