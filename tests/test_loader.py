@@ -544,3 +544,25 @@ def test_torch_tensors_share_the_device_memory(store: Path, ref: xr.Dataset) -> 
     )
     with pytest.raises(RuntimeError, match="forked from a process that had initialised CUDA"):
         list(forked)
+
+
+# ------------------------------------------------------------------ benchmark case
+
+
+def test_bench_loader_case_reads_the_recipes_samples(tmp_path: Path) -> None:
+    """The loader-* benchmark: its store, the recipe's engine="zarr" samples equal to
+    the loader's batches, and a run of the smallest case."""
+    from xarray_gds.tools import bench, bench_loader
+
+    path = bench_loader.make_era5(tmp_path / "era5.zarr", 0, batch=4)
+    names = bench_loader.NAMES[:4]
+    samples = bench_loader.ZarrSamples(path, names)
+    assert len(samples) == 9  # two batches and one more step: a smoke-test store
+    loader = BatchLoader(_gds(path), variables=names, batch_size=4, stack="c", seed=1)
+    for plan, batch in zip(loader.batches(), loader, strict=True):
+        assert batch.shape == (len(plan), 4, *bench_loader.SMALL)
+        for row, t in zip(batch, loader.positions(plan)["time"], strict=True):
+            np.testing.assert_array_equal(row, samples[int(t)])
+    (result,) = bench.run(tmp_path, size_gb=0.001, repeat=1, cases=["loader-4x4"])
+    assert set(result.seconds) >= {"gds-zarr loader", "zarr"}
+    assert "gds-zarr loader" in result.note and "samples/s" in result.note

@@ -27,7 +27,7 @@ import zarr
 import zarr.codecs as zc
 
 from xarray_gds import device as _device
-from xarray_gds.tools import bench_cluster, bench_icechunk, bench_refs, s3_server
+from xarray_gds.tools import bench_cluster, bench_icechunk, bench_loader, bench_refs, s3_server
 
 __all__ = ["CASES", "Result", "make_store", "run"]
 
@@ -470,9 +470,8 @@ def run(
             spec = CASES[name]
             if (spec["gpu"] and not cuda) or (spec.get("named_only") and not cases):
                 continue
-            path = make_store(
-                tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"]
-            )
+            make = spec.get("make", make_store)  # a case may write its own kind of store
+            path = make(tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"])
             n_stores = spec.get("stores", 1)
             target: Any = _copies(path, n_stores) if n_stores > 1 else path
             contenders = spec["contenders"](target)
@@ -783,6 +782,9 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, False),
         },
     },
+    # issue 31: training batches from an ERA5-like store, against a PyTorch DataLoader
+    # with engine="zarr" in worker processes (xarray_gds.tools.bench_loader)
+    **bench_loader.cases(),
 }
 
 
