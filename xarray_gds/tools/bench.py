@@ -27,7 +27,14 @@ import zarr
 import zarr.codecs as zc
 
 from xarray_gds import device as _device
-from xarray_gds.tools import bench_cluster, bench_icechunk, bench_loader, bench_refs, s3_server
+from xarray_gds.tools import (
+    bench_cluster,
+    bench_icechunk,
+    bench_loader,
+    bench_refs,
+    bench_write,
+    s3_server,
+)
 
 __all__ = ["CASES", "Result", "make_store", "run"]
 
@@ -785,6 +792,8 @@ CASES: dict[str, dict[str, Any]] = {
     # issue 31: training batches from an ERA5-like store, against a PyTorch DataLoader
     # with engine="zarr" in worker processes (xarray_gds.tools.bench_loader)
     **bench_loader.cases(),
+    # issue 33: the ways users write (xarray_gds.tools.bench_write)
+    **bench_write.cases(),
 }
 
 
