@@ -566,3 +566,26 @@ def test_bench_loader_case_reads_the_recipes_samples(tmp_path: Path) -> None:
     (result,) = bench.run(tmp_path, size_gb=0.001, repeat=1, cases=["loader-4x4"])
     assert set(result.seconds) >= {"gds-zarr loader", "zarr"}
     assert "gds-zarr loader" in result.note and "samples/s" in result.note
+
+
+def test_the_docs_first_example_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/loaders.md: its first code block (a store of its own, one epoch) runs."""
+    import re
+    import runpy
+    import warnings
+
+    text = (Path(__file__).parent.parent / "docs" / "loaders.md").read_text()
+    match = re.search(r"```python\n(.*?)```", text, re.S)
+    assert match
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "example.py").write_text(match.group(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no GPU here: the engine says it reads on the host
+        names = runpy.run_path(str(tmp_path / "example.py"))
+    assert len(names["loader"]) == 5
+    assert names["x"].shape == names["y"].shape == (7, 3, 32, 64)
+    ref = xr.open_dataset(tmp_path / "samples.zarr", engine="zarr")
+    t = names["loader"].positions(names["loader"].batches(0)[-1])["time"]
+    np.testing.assert_array_equal(to_host(names["y"])[:, 1], ref["u10"].values[t + 1])
