@@ -135,13 +135,11 @@ def region_contenders(path: Path) -> dict[str, Callable[[], Any]]:
     )
     encoding = {"t": {"chunks": chunks, "compressors": [zc.ZstdCodec()]}}
     data = ds.drop_vars(list(ds.coords))
-    regions = []
-    for start in np.ndindex(
-        *(math.ceil(n / c) for n, c in zip(ds["t"].shape, chunks, strict=True))
-    ):
-        regions.append(
-            {d: slice(i * c, (i + 1) * c) for d, i, c in zip(dims, start, chunks, strict=True)}
-        )
+    grid = [math.ceil(n / c) for n, c in zip(ds["t"].shape, chunks, strict=True)]
+    regions: list[dict[str, slice]] = [
+        {str(d): slice(i * c, (i + 1) * c) for d, i, c in zip(dims, at, chunks, strict=True)}
+        for at in np.ndindex(*grid)
+    ]
     blocks = [data.isel(r) for r in regions]
     out = _out(path)
 
