@@ -156,7 +156,8 @@ def test_fuse_warns_once_for_device_arrays_with_host_blocks(
         fuse._warn_host_blocks(quiet, set(quiet))
     assert fuse._warned_host_blocks is False
     loud = {**quiet, "d": source("cuda", False)}
-    with pytest.warns(UserWarning, match=r"'t' are decoded on the GPU.*chunked_array_type=\"gds-dask\""):
+    match = r"'t' are decoded on the GPU.*chunked_array_type=\"gds-dask\""
+    with pytest.warns(UserWarning, match=match):
         fuse._warn_host_blocks(loud, {"a", "d"})
     assert fuse._warned_host_blocks is True
     with warnings.catch_warnings():  # once a process

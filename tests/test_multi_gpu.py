@@ -28,7 +28,6 @@ import pytest
 import xarray as xr
 import zarr
 
-import xarray_gds
 from xarray_gds import fuse
 
 from .conftest import sample_dataset, write_store
