@@ -3,6 +3,7 @@ engine="zarr" round-trips (issue 16, items 1 and 2); each case compared with it.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import shutil
 import sys
@@ -182,12 +183,12 @@ def test_remote_url_without_its_filesystem_says_what_to_install(
 ) -> None:
     """URLs open through fsspec (tests/test_remote.py reads them from loopback
     servers); without the filesystem package the error says which one to install."""
-    import fsspec.registry
+    registry = importlib.import_module("fsspec.registry")  # the module, not its mapping
 
     monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs now fails
     # fsspec keeps the class of every filesystem it has imported once (an earlier test's
     # S3 reads): forget it for this test, so that fsspec imports s3fs again
-    monkeypatch.delitem(fsspec.registry._registry, "s3", raising=False)
+    monkeypatch.delitem(registry._registry, "s3", raising=False)
     for opener in (xr.open_dataset, xr.open_datatree, xr.open_groups):
         with pytest.raises(ImportError, match=r"reading 's3://bucket/d\.zarr'.*install s3fs"):
             opener(
