@@ -1,4 +1,6 @@
-"""Host decoders: numcodecs in a thread pool, one batch at a time."""
+"""Host decoders: numcodecs (or a faster decoder a format names, see
+:meth:`Format.fast_decoder <xarray_gds.codecs.formats.base.Format.fast_decoder>`) in a
+thread pool, one batch at a time."""
 
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def decompress(
     # numcodecs decodes straight into the output when every stream's decoded size is
     # known to be ``nbytes`` (as the checks found): one copy less
     into = compressor.format.check_host(chunks, nbytes, keys)
+    # a faster decoder where one is installed (libdeflate for zlib and gzip); the chunks
+    # it does not decode exactly as numcodecs would go to numcodecs
+    fast = compressor.format.fast_decoder()
     if out is None:
         out = np.empty((len(chunks), nbytes), dtype=np.uint8)
     rows = out
@@ -61,6 +66,9 @@ def decompress(
             done(i)
 
     def _decode_one(i: int) -> None:
+        if fast is not None and (decoded := fast(chunks[i], nbytes)) is not None:
+            rows[i] = np.frombuffer(decoded, dtype=np.uint8)
+            return
         try:
             if into:
                 compressor.host_codec.decode(chunks[i], out=rows[i])

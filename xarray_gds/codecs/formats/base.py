@@ -12,7 +12,7 @@ never test a format's name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -277,6 +277,18 @@ class Format:
 
     def _decodes_into(self, heads: np.ndarray, nbytes: int) -> bool:
         return False
+
+    def fast_decoder(self) -> Callable[[Any, int], Any] | None:
+        """A faster host decoder of whole chunks (framing included) than the numcodecs
+        codec, when its optional package is installed (the ``fast-host`` extra), else
+        None.
+
+        ``decode(chunk, nbytes)`` returns the decoded bytes, or None wherever it cannot
+        decode the chunk to exactly ``nbytes`` bytes as the numcodecs codec would (a
+        damaged stream, another size, a framing it does not follow): the numcodecs codec
+        then decodes that chunk, and raises what it raises. Called once a batch.
+        """
+        return None
 
     # -- raw streams (nvCOMP's view), on the host ---------------------------------------
 
