@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,16 @@ CODECS = {"zlib": (ZLIB, numcodecs.Zlib(level=1)), "gzip": (GZIP, numcodecs.GZip
 
 
 @pytest.fixture(params=["libdeflate", "zlib"])
-def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """``"libdeflate"``: the package is installed (its absence fails the test: CI has
     it); ``"zlib"``: importing it raises ImportError, as where it is not installed."""
     if request.param == "libdeflate":
         import deflate  # noqa: F401  (the test extra installs it)
     else:
         monkeypatch.setitem(sys.modules, "deflate", None)
-    return str(request.param)
+    libdeflate.cache_clear()
+    yield str(request.param)
+    libdeflate.cache_clear()  # looked for again with the real modules
 
 
 def _values(kind: str, nbytes: int = 1 << 20) -> np.ndarray:

@@ -14,7 +14,7 @@ import functools
 import itertools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "pack_offsets",
     "parallel",
     "pool_threads",
+    "start",
 ]
 
 ALIGN = 16  #: the strictest nvCOMP input/output alignment (its docs advise 16)
@@ -158,6 +159,28 @@ def parallel(fn: Any, n: int, workers: int | None = None, min_items: int = 4) ->
     concurrent.futures.wait(futures)  # all of them, even when one failed
     for future in futures:
         future.result()
+
+
+def start(fn: Any, n: int, workers: int) -> Callable[[], None]:
+    """Start ``fn(i)`` for ``i`` in ``range(n)`` on at most ``workers`` threads of the
+    pool (each takes the next item as it finishes one) and return ``wait()``, which
+    waits for them all and raises the first error: for work that runs beside the
+    calling thread's own (:func:`parallel` waits at once)."""
+    claim = itertools.count()  # next() is atomic: each item runs once
+
+    def run() -> None:
+        while (i := next(claim)) < n:
+            fn(i)
+
+    used = max(1, min(workers, n, pool_threads())) if n > 0 else 0
+    futures = [_pool().submit(run) for _ in range(used)]
+
+    def wait() -> None:
+        concurrent.futures.wait(futures)  # all of them, even when one failed
+        for future in futures:
+            future.result()
+
+    return wait
 
 
 class PinnedStaging:

@@ -461,10 +461,16 @@ def _host_route(group: list[_Request]) -> bool:
 def _decode(
     r: _Request, chain: DecodeChain, fetched: Any, keys: Sequence[str], staging: PinnedStaging
 ) -> tuple[list[int], Any]:
-    """Decode fetched chunks as ``r``'s group does: on the GPU, on the host, or on the
-    host for the device (staged through pinned memory, copied as they decode)."""
+    """Decode fetched chunks as ``r``'s group does: on the GPU (the host pool taking a
+    share where :func:`route.plan` gives it one), on the host, or on the host for the
+    device (staged through pinned memory, copied as they decode)."""
     if r.host_decode:
         return decode.decode_staged(chain, fetched, keys, staging)
+    if r.decode_on_device and chain.compressor is not None:
+        n = int(np.count_nonzero(fetched.sizes >= 0))
+        share = route.plan(chain.compressor.format, n, chain.nbytes)
+        if share.host:
+            return decode.decode_split(chain, fetched, keys, staging, share.host, share.threads)
     return decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
 
 

@@ -102,6 +102,13 @@ KNOBS: dict[str, Knob] = {
             "decode route of device reads: auto, gpu or host",
             choices=("auto", "gpu", "host"),
         ),
+        Knob(
+            "split",
+            str,
+            "auto",
+            "device batches shared between nvCOMP and the host pool: auto, off or on",
+            choices=("auto", "off", "on"),
+        ),
         Knob("route_constants", str, "", "cost-model constants (see xarray-gds calibrate)"),
         Knob("fuse_dask", bool, True, "read a computation's dask blocks in joined batches"),
         Knob(

@@ -15,7 +15,7 @@ import numpy as np
 
 from xarray_gds import config
 from xarray_gds import device as _device
-from xarray_gds.batch import PinnedStaging
+from xarray_gds.batch import DeviceBatch, PinnedStaging, start
 from xarray_gds.codecs import DecodeChain, host
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.request import Decoded
@@ -27,6 +27,7 @@ __all__ = [
     "decode_host",
     "Joined",
     "Picked",
+    "decode_split",
     "decode_staged",
     "part_chunks",
 ]
@@ -202,6 +203,65 @@ def decode_staged(
             decode_host(chain, [fetched[i] for i in present], names, out, copy)
         finally:  # the buffer goes back to the pool: no copy may still read it
             stream.synchronize()
+    data = rows
+    for f in chain.filters:
+        data = f.apply(data, cp)
+    return present, chain.finish(data, cp)
+
+
+def decode_split(
+    chain: DecodeChain,
+    fetched: DeviceBatch,
+    keys: Sequence[str],
+    staging: PinnedStaging,
+    host: int,
+    threads: int,
+) -> Decoded:
+    """:func:`decode_fetched` of chunks read into device memory, ``host`` of them (the
+    last present ones) decoded by the host pool on at most ``threads`` threads while
+    nvCOMP decodes the others (:func:`xarray_gds.route.split`).
+
+    The host's chunks' stored bytes come back from the device (compressed: a fraction
+    of what they decode to), each decodes into a pinned buffer leased from
+    ``staging`` and goes back to its row on the device as soon as it is decoded, as in
+    :func:`decode_staged`. The rows, the filters and the final layout are those of
+    :func:`decode_fetched`; a chunk that fails raises as it would there."""
+    present = np.flatnonzero(fetched.sizes >= 0).tolist()
+    n = len(present)
+    host = max(0, min(host, n))
+    if host == 0:
+        return decode_fetched(chain, fetched, keys, True)
+    names = _names(keys, present)
+    cp = _device.cupy()
+    nbytes, m = chain.nbytes, n - host
+    mine = present[m:]
+    stored = [
+        cp.asnumpy(fetched.arena[o : o + s])
+        for o, s in zip(fetched.offsets[mine].tolist(), fetched.sizes[mine].tolist(), strict=True)
+    ]
+    rows = cp.empty((n, nbytes), dtype=np.uint8)
+    device = rows.device.id
+    stream = _copy_stream()
+    with staging.lease(host * nbytes) as pinned:
+        out = pinned.reshape(host, nbytes)
+
+        def one(i: int) -> None:  # on a thread of the host pool
+            decode_host(chain, [stored[i]], Picked(names, [m + i]), out[i : i + 1])
+            with cp.cuda.Device(device):
+                rows[m + i].set(out[i], stream=stream)
+
+        wait = start(one, host, threads)
+        try:
+            if m:
+                from xarray_gds.codecs import nvcomp
+
+                with _described(chain):
+                    rows[:m] = nvcomp.decode(chain, fetched, present[:m], Picked(names, range(m)))
+        finally:  # every host chunk decoded (or failed) and copied before the lease ends
+            try:
+                wait()
+            finally:
+                stream.synchronize()
     data = rows
     for f in chain.filters:
         data = f.apply(data, cp)

@@ -41,6 +41,9 @@ class Rates:
     gpu_chunk: float  #: one chunk alone on the GPU
     gpu_batch: float  #: a large batch on the GPU
     host_thread: float  #: one host thread
+    #: one host thread with the format's fast decoder (:meth:`Format.fast_decoder`),
+    #: where it has one; the route takes it only where that decoder is installed
+    host_fast: float | None = None
 
 
 @dataclass(frozen=True)
