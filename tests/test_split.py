@@ -399,3 +399,55 @@ def test_split_reads_of_large_chunks(tmp_path: Path) -> None:
             got = xr.open_dataset(path, engine="gds-zarr", device="cuda").load()
         ref = xr.open_dataset(path, engine="zarr").load()
         xr.testing.assert_identical(got.as_numpy(), ref)
+
+
+# -- the model next to measurements (xarray-gds calibrate --compare) -------------------
+
+
+def test_compare_predictions_and_table() -> None:
+    """What ``calibrate --compare`` prints for the model: its seconds for each route and
+    its choice, from the constants given (here exact ones), in milliseconds."""
+    from xarray_gds.tools.calibrate import Compared, predict, table
+
+    rates = route.Rates(gpu_chunk=2.0**18, gpu_batch=2.0**21, host_thread=2.0**18)
+    c = route.Costs(
+        gpu_call=0.25, host_call=0.5, host_chunk=0.0, h2d=2.0**40, threads=4,
+        rates=(("zstd", rates),),
+    )  # fmt: skip
+    row = predict("zstd", 20, 1 << 20, c)
+    assert row == Compared("zstd", 20, 1 << 20, "split 8", 8, 14.25, 20.5 + 2.0**-20, 10.25)
+    one = predict("zstd", 1, 1 << 20, c)
+    assert (one.choice, one.split_k) == ("host", 0) and one.split != one.split
+    measured = replace(row, gpu_measured=0.0123, host_measured=0.5, split_measured=0.01)
+    lines = table([measured, one]).splitlines()
+    assert lines[0].startswith("| format | chunks | MiB each | model's choice | GPU model")
+    assert lines[2] == (
+        "| zstd | 20 | 1 | split 8 | 14250.0 | 12.3 | 20500.0 | 500.0 | 8 | 10250.0 | 10.0 |"
+    )
+    assert lines[3] == "| zstd | 1 | 1 | host | 4750.0 | - | 4500.0 | - | - | - | - |"
+
+
+def test_calibrate_compare_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from xarray_gds.tools.cli import main
+
+    if _device.cuda_status()[0]:
+        pytest.skip("this machine has a GPU")  # the GPU test below runs instead
+    assert main(["calibrate", "--compare"]) == 1
+    assert "calibrate: needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_compare_measures_every_route() -> None:
+    """On the GPU: the measured seconds of nvCOMP, the host route and the split of small
+    batches are there, positive, next to the model's."""
+    from xarray_gds.tools.calibrate import compare, table
+
+    rows = compare(formats=("zstd", "zlib"), counts=(1, 3), chunk_nbytes=256 << 10, repeat=1)
+    assert [(r.format, r.chunks) for r in rows] == [
+        ("zstd", 1), ("zstd", 3), ("zlib", 1), ("zlib", 3),
+    ]  # fmt: skip
+    for r in rows:
+        assert r.gpu_measured > 0 and r.host_measured > 0 and r.gpu > 0 and r.host > 0
+        assert (r.split_k > 0) == (r.chunks > 1)
+        assert (r.split_measured > 0) if r.split_k else (r.split_measured != r.split_measured)
+    assert len(table(rows).splitlines()) == 2 + len(rows)

@@ -144,12 +144,15 @@ def _name(compressor: Format | str) -> str:
 
 
 def estimate(
-    compressor: Format | str | None, n_chunks: int, chunk_nbytes: int
+    compressor: Format | str | None,
+    n_chunks: int,
+    chunk_nbytes: int,
+    constants: Costs | None = None,
 ) -> tuple[float, float]:
     """Seconds ``(gpu, host)`` to decode ``n_chunks`` chunks of ``chunk_nbytes`` decoded
     bytes compressed with ``compressor`` (a format, or a format's name; ``inf`` where a
-    route has no rate)."""
-    c = costs()
+    route has no rate), by ``constants`` (default: :func:`costs`)."""
+    c = costs() if constants is None else constants
     rate = c.rate(compressor) if compressor else None
     if rate is None or n_chunks <= 0:
         return 0.0, math.inf

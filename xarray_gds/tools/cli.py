@@ -653,6 +653,13 @@ def _parser() -> argparse.ArgumentParser:
         "constants as the JSON value of xarray_gds.route_constants "
         "(XARRAY_GDS_ROUTE_CONSTANTS). Needs a GPU.",
     )
+    calibrate.add_argument(
+        "--compare",
+        action="store_true",
+        help="instead, print the model's predicted time (with the constants in effect) "
+        "for nvCOMP alone, the host route and the split, next to the measured time of "
+        "each, for batches of 1, 4, 16 and 64 chunks of 4 MiB (zstd and zlib)",
+    )
     calibrate.set_defaults(run=_run_calibrate)
 
     tidy = commands.add_parser(
@@ -704,9 +711,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if not ok:
         print(f"{PROG} calibrate: needs a GPU ({why})", file=sys.stderr)
         return 1
-    from xarray_gds.tools.calibrate import calibrate
+    from xarray_gds.tools.calibrate import calibrate, compare, table
 
-    print(calibrate().to_json())
+    print(table(compare()) if args.compare else calibrate().to_json())
     return 0
 
 
