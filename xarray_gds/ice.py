@@ -188,6 +188,10 @@ class IcechunkReadStore(WrapperStore[Store]):
     def _with_store(self, store: Store) -> IcechunkReadStore:
         return type(self)(store, self.storage)
 
+    def chunk_source(self) -> IcechunkSource:
+        """The engine's source for this store (:func:`xarray_gds.sources.source_for`)."""
+        return IcechunkSource(self)
+
     def __getstate__(self) -> dict[str, Any]:
         return {"store": self._store, "storage": self.storage}
 

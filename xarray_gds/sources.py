@@ -401,7 +401,9 @@ class ReferenceSource(Source):
 
 def source_for(store: Any) -> Source:
     """The source of a zarr Store's chunk bytes (of the store it wraps, for a store
-    whose metadata is held during a write: chunks are never held)."""
+    whose metadata is held during a write: chunks are never held). A store that knows
+    better where its chunks lie names its own source with a ``chunk_source()`` method
+    (:class:`xarray_gds.ice.IcechunkReadStore`: Icechunk's chunk table)."""
     from xarray_gds import remote
     from xarray_gds.deferred import HeldMetadataStore
     from xarray_gds.refs import ReferenceStore
@@ -410,29 +412,17 @@ def source_for(store: Any) -> Source:
     if isinstance(store, HeldMetadataStore):
         store = store.store
 
+    own = getattr(store, "chunk_source", None)
+    if own is not None:
+        chosen: Source = own()
+        return chosen
     if isinstance(store, ReferenceStore):
         return ReferenceSource(store)
-    if _is_icechunk(store):
-        from xarray_gds.ice import IcechunkSource
-
-        return IcechunkSource(store)
     if isinstance(store, GdsStore):
         return LocalSource(store)
     if remote.kvikio_target(store) is not None:
         return RemoteSource(store)
     return StoreSource(store)
-
-
-def _is_icechunk(store: Any) -> bool:
-    """An Icechunk session's store, bare or as the engine opens it (nothing imports
-    icechunk or :mod:`xarray_gds.ice` to ask)."""
-    import sys
-
-    ice = sys.modules.get("xarray_gds.ice")
-    if ice is not None and isinstance(store, ice.IcechunkReadStore):
-        return True
-    icechunk = sys.modules.get("icechunk")
-    return icechunk is not None and isinstance(store, icechunk.IcechunkStore)
 
 
 def read(
