@@ -23,9 +23,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+import zarr
 
 import xarray_gds
-from xarray_gds.tidy import find_leftovers, tidy
+from xarray_gds.tidy import TRUSTING, find_leftovers, tidy
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
@@ -174,10 +175,15 @@ def test_killed_writer_leaves_a_whole_step(tmp_path: Path, pattern: str, fmt: in
         got = _read(path)
         matches = [k for k in (step, step + 1) if got.identical(states[k])]
         assert matches, f"killed at event {kill_at} in step {step}: a state in between"
-        left = find_leftovers(path)
+        # only complete writes of this package made the store: its consolidated
+        # metadata is trusted (without that, tidy keeps what differs from it)
+        left = find_leftovers(path, trust_consolidated=True)
         kinds.update(item.kind for item in left)
-        assert tidy(path) == left
-        assert not find_leftovers(path)
+        plain = tidy(path)  # never touches what only the consolidated metadata condemns
+        assert all(i.kind not in TRUSTING for i in plain) and set(plain) <= set(left)
+        xr.testing.assert_identical(_read(path), got)
+        assert tidy(path, trust_consolidated=True) == [i for i in left if i not in plain]
+        assert not find_leftovers(path, trust_consolidated=True)
         xr.testing.assert_identical(_read(path), got)
         k = matches[0]
         if trial % 4 == 0 and k < STEPS:  # the next writer finds a store it can write
@@ -210,15 +216,52 @@ def test_tidy_lists_and_removes_each_kind(tmp_path: Path, capsys: pytest.Capture
         ("new", "unpublished-node"),
         ("b/zarr.json", "metadata-ahead"),
     }
-    assert {(i.path, i.kind) for i in tidy(path, dry_run=True)} == want
-    assert main(["tidy", str(path), "--dry-run"]) == 0
+    assert {(i.path, i.kind) for i in tidy(path, dry_run=True, trust_consolidated=True)} == want
+    assert main(["tidy", str(path), "--dry-run", "--trust-consolidated"]) == 0
     out = capsys.readouterr().out
     assert all(p in out for p, _ in want) and "dry run" in out
     assert (path / "new").exists()
-    assert main(["tidy", str(path)]) == 0
+    assert main(["tidy", str(path), "--trust-consolidated"]) == 0
     assert not find_leftovers(path)
     assert not (path / "new").exists() and not (path / "a" / "c" / "5").exists()
     assert (path / "b" / "zarr.json").read_text() != doc.replace("2", "3")
     xr.testing.assert_identical(_read(str(path)), before)
     xarray_gds.to_zarr(_step(2), path, append_dim="time")
     xr.testing.assert_identical(_read(str(path)), xr.concat([before, _step(2)], dim="time"))
+
+
+def test_tidy_keeps_writes_made_without_consolidating(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A store changed after its consolidation by someone who did not consolidate
+    (zarr-python setting an attribute, adding an array) differs from its consolidated
+    metadata for a good reason: tidy keeps every document, node and chunk of it, says
+    how to act, and only ``trust_consolidated`` puts the consolidated state back."""
+    from xarray_gds.tools.cli import main
+
+    path = tmp_path / "s.zarr"
+    enc = {"chunks": (1, Y, X)}
+    ds = xr.concat([_step(0), _step(1)], dim="time")
+    ds.to_zarr(path, zarr_format=3, encoding={"a": enc, "b": enc}, consolidated=True)
+    zarr.open_array(path / "a", mode="r+").attrs["units"] = "K"
+    extra = zarr.create_array(
+        path / "extra", shape=(3,), chunks=(1,), dtype="i4", dimension_names=["n"]
+    )
+    extra[:] = [1, 2, 3]
+    files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    own = xr.open_zarr(path, consolidated=False).load()
+    assert own.a.attrs["units"] == "K" and "extra" in own
+    assert tidy(path) == []
+    assert sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file()) == files
+    xr.testing.assert_identical(xr.open_zarr(path, consolidated=False).load(), own)
+    kinds = {(i.path, i.kind) for i in find_leftovers(path)}
+    assert kinds == {("a/zarr.json", "metadata-ahead"), ("extra", "unconsolidated-node")}
+    assert main(["tidy", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 leftover(s) removed" in out and "--trust-consolidated" in out
+    assert "kept  unconsolidated-node extra" in out
+    xr.testing.assert_identical(xr.open_zarr(path, consolidated=False).load(), own)
+    # told that the consolidated metadata is the truth, tidy puts it back
+    assert {(i.path, i.kind) for i in tidy(path, trust_consolidated=True)} == kinds
+    back = xr.open_zarr(path, consolidated=False).load()
+    assert "units" not in back.a.attrs and "extra" not in back

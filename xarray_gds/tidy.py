@@ -12,11 +12,17 @@ killed with ``SIGKILL`` (out of memory, a pre-empted node) cleans nothing, and c
   would not overwrite them all, and ``zarr`` lists them;
 - the directories of new arrays whose metadata was never written (a ``mode="a"``
   write of new variables);
-- array metadata documents newer than the consolidated metadata (killed while the
-  metadata was being written, which is several files): readers that use the
-  consolidated metadata (xarray's default) see the store as it was before the write,
-  readers and writers that read each array's own document may see some arrays after
-  it; the consolidated metadata, written last, is the store's last complete state;
+- array metadata documents newer than the consolidated metadata, and nodes it does
+  not list (killed while the metadata was being written, which is several files):
+  readers that use the consolidated metadata (xarray's default) see the store as it
+  was before the write, readers and writers that read each array's own document may
+  see some arrays after it; the consolidated metadata, written last, is then the
+  store's last complete state. But a store also differs from its consolidated
+  metadata when someone wrote it without consolidating (``consolidated=False``,
+  zarr-python adding an array): there the documents are the newer truth. Only the
+  user knows which, so these two kinds are put back or removed only when asked
+  (``trust_consolidated=True``, ``--trust-consolidated``); otherwise they are listed
+  and kept;
 - the writer lock file ``.<name>.xarray-gds.lock`` beside the store: kept on purpose
   (its lock is released when the process dies; see :mod:`xarray_gds.locking`).
 
@@ -24,9 +30,11 @@ Chunks inside the metadata's shape are the write's only visible trace: a step wh
 chunks were written but whose metadata was not is invisible; a region write (which
 replaces chunks in place) killed half way leaves each chunk whole, some old, some new.
 
-:func:`tidy` lists all of it and, unless ``dry_run``, removes it and puts the array
-documents back as the consolidated metadata gives them, holding the store's writer
-lock; ``xarray-gds tidy PATH [--dry-run]`` does the same from the command line.
+:func:`tidy` lists all of it and, unless ``dry_run``, removes what only a killed write
+can leave (and, with ``trust_consolidated``, puts the array documents back as the
+consolidated metadata gives them), holding the store's writer lock;
+``xarray-gds tidy PATH [--dry-run] [--trust-consolidated]`` does the same from the
+command line.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from typing import Any
 from xarray_gds.io.local import remove_tree, write_file
 from xarray_gds.locking import DEFAULT_TIMEOUT, writer_lock
 
-__all__ = ["Leftover", "tidy"]
+__all__ = ["TRUSTING", "Leftover", "find_leftovers", "tidy"]
 
 _V3 = "zarr.json"
 _V2 = (".zarray", ".zgroup", ".zattrs")
@@ -58,9 +66,11 @@ class Leftover:
         Relative to the store's root (``/``-separated).
     kind : str
         ``"partial-file"``, ``"orphan-chunk"`` (outside its array's shape),
-        ``"unpublished-node"`` (a node's directory, or an array directory with chunks
-        and no metadata, absent from the store's metadata), or ``"metadata-ahead"`` (a
-        document that differs from the consolidated metadata: put back).
+        ``"unpublished-node"`` (an array directory with chunks and no metadata),
+        ``"unconsolidated-node"`` (a node with metadata that the consolidated metadata
+        does not list) or ``"metadata-ahead"`` (a document that differs from the
+        consolidated metadata). The last two are acted on only when the consolidated
+        metadata is trusted (:data:`TRUSTING`).
     detail : str
         Why, in words.
     """
@@ -71,6 +81,10 @@ class Leftover:
 
     def __str__(self) -> str:
         return f"{self.kind:17} {self.path}  ({self.detail})"
+
+
+#: kinds of leftover that only a trusted consolidated metadata says are leftovers
+TRUSTING = frozenset({"unconsolidated-node", "metadata-ahead"})
 
 
 def _load(path: Path) -> Any:
@@ -145,8 +159,13 @@ def _walk(root: Path) -> tuple[list[str], dict[str, list[str]]]:
     return files, by_dir
 
 
-def find_leftovers(root: str | os.PathLike[str]) -> list[Leftover]:
-    """What :func:`tidy` would remove or put back in the local store at ``root``."""
+def find_leftovers(
+    root: str | os.PathLike[str], *, trust_consolidated: bool = False
+) -> list[Leftover]:
+    """Every leftover in the local store at ``root``, those :func:`tidy` keeps without
+    ``trust_consolidated`` (kinds in :data:`TRUSTING`) included. Chunks lie outside
+    their array's shape as the consolidated metadata gives it when it is trusted, as
+    the array's own document gives it otherwise."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"xarray-gds tidy: {root} is not a directory (a local store)")
@@ -166,7 +185,9 @@ def find_leftovers(root: str | os.PathLike[str]) -> list[Leftover]:
         for node in sorted(nodes - {""}):
             if node not in known and not any(node.startswith(d + "/") for d in dropped):
                 dropped.append(node)
-                found.append(Leftover(node, "unpublished-node", "not in the consolidated metadata"))
+                found.append(
+                    Leftover(node, "unconsolidated-node", "not in the consolidated metadata")
+                )
         for key, doc in sorted(published.items()):
             if key.rpartition("/")[0] in dropped:
                 continue
@@ -180,7 +201,7 @@ def find_leftovers(root: str | os.PathLike[str]) -> list[Leftover]:
             continue
         v3 = node in v3_nodes
         doc_key = f"{node}/{_V3 if v3 else '.zarray'}".lstrip("/")
-        doc = published.get(doc_key) if published is not None else None
+        doc = published.get(doc_key) if published is not None and trust_consolidated else None
         if doc is None:
             doc = _load(root / doc_key)
         grid = _array_grid(doc, v3) if isinstance(doc, dict) else None
@@ -219,15 +240,17 @@ def tidy(
     store: str | os.PathLike[str],
     *,
     dry_run: bool = False,
+    trust_consolidated: bool = False,
     lock_timeout: float | None = DEFAULT_TIMEOUT,
 ) -> list[Leftover]:
     """Remove what killed writes left in the local store ``store`` (see the module).
 
-    The consolidated metadata (written last by every complete write) is taken as the
-    store's state: array documents that differ from it are put back as it gives them,
-    nodes it does not list are removed. A store without consolidated metadata keeps
-    its documents; only partial files, chunks outside each array's shape and array
-    directories without metadata go.
+    Partial files, chunks outside each array's shape and array directories without
+    metadata go. Documents that differ from the consolidated metadata and nodes it
+    does not list are kept (they may be someone's write made without consolidating)
+    unless ``trust_consolidated``: then the consolidated metadata (written last by
+    every complete write of this package) is the store's state, documents are put
+    back as it gives them and the nodes it does not list are removed.
 
     Parameters
     ----------
@@ -235,6 +258,9 @@ def tidy(
         A local directory store.
     dry_run : bool
         Only list what would go.
+    trust_consolidated : bool
+        The consolidated metadata is the store's last complete state (the store is
+        written only by complete writes of this package, and one was killed).
     lock_timeout : float or None
         Seconds to wait for a writer of the store (its writer lock is held while
         tidying, see :mod:`xarray_gds.locking`).
@@ -242,14 +268,17 @@ def tidy(
     Returns
     -------
     list of Leftover
-        What was found (and, unless ``dry_run``, removed or put back).
+        What was removed or put back (with ``dry_run``, what would be). What is kept
+        is what :func:`find_leftovers` still lists.
     """
     from xarray_gds.store import GdsStore
 
     root = Path(store)
     lock = writer_lock(GdsStore(root, read_only=True), lock_timeout) if not dry_run else None
     try:
-        found = find_leftovers(root)
+        found = find_leftovers(root, trust_consolidated=trust_consolidated)
+        if not trust_consolidated:
+            found = [item for item in found if item.kind not in TRUSTING]
         if dry_run:
             return found
         published = _published(root) or {}
@@ -257,7 +286,7 @@ def tidy(
             path = root / item.path
             if item.kind == "metadata-ahead":
                 write_file(str(path), json.dumps(published[item.path], indent=2).encode())
-            elif item.kind == "unpublished-node":
+            elif item.kind in ("unpublished-node", "unconsolidated-node"):
                 if path.is_dir():
                     remove_tree(str(path))
             elif path.exists():

@@ -667,20 +667,30 @@ def _parser() -> argparse.ArgumentParser:
         help="remove what killed writes left in a local store",
         description="List and remove what a writer killed with SIGKILL can leave in a "
         "local Zarr store: partial files, chunk files outside their array's shape, "
-        "arrays with no metadata, metadata documents newer than the consolidated "
-        "metadata (put back). Holds the store's writer lock.",
+        "arrays with no metadata; with --trust-consolidated also metadata documents "
+        "that differ from the consolidated metadata (put back) and nodes it does not "
+        "list. Holds the store's writer lock.",
     )
     tidy.add_argument("path", help="a local Zarr store (directory)")
     tidy.add_argument("--dry-run", action="store_true", help="only list what would go")
+    tidy.add_argument(
+        "--trust-consolidated",
+        action="store_true",
+        help="the consolidated metadata is the store's last complete state (only "
+        "complete xarray-gds writes made it, and one was killed): put documents back "
+        "as it gives them and remove the nodes it does not list",
+    )
     tidy.set_defaults(run=_run_tidy)
     return parser
 
 
 def _run_tidy(args: argparse.Namespace) -> int:
-    from xarray_gds.tidy import tidy
+    from xarray_gds.tidy import TRUSTING, find_leftovers, tidy
 
+    trust = args.trust_consolidated
     try:
-        found = tidy(args.path, dry_run=args.dry_run)
+        found = tidy(args.path, dry_run=args.dry_run, trust_consolidated=trust)
+        kept = [] if trust else [i for i in find_leftovers(args.path) if i.kind in TRUSTING]
     except (FileNotFoundError, TimeoutError) as err:
         print(f"{PROG} tidy: {err}", file=sys.stderr)
         return 1
@@ -688,6 +698,15 @@ def _run_tidy(args: argparse.Namespace) -> int:
         print(item)
     verb = "would be removed or put back (dry run)" if args.dry_run else "removed or put back"
     print(f"{len(found)} leftover(s) {verb}")
+    if kept:
+        for item in kept:
+            print(f"kept  {item}")
+        print(
+            f"{len(kept)} difference(s) from the consolidated metadata kept: if only complete "
+            "xarray-gds writes made this store and one was killed, run again with "
+            "--trust-consolidated to put the consolidated state back; if the store was "
+            "written without consolidating, keep them and run zarr.consolidate_metadata"
+        )
     return 0
 
 
