@@ -149,6 +149,70 @@ def test_windows_and_stacked_channels(store: Path, ref: xr.Dataset) -> None:
     assert seen == set(range(2, NT - 3))
 
 
+def test_windows_sharing_an_offset_and_samples_read_into_place(
+    store: Path, ref: xr.Dataset
+) -> None:
+    # one float32 variable stacked into float32: every sample of offset 1 is read
+    # straight into its place; offset 0 feeds two windows and is copied into both
+    loader = BatchLoader(
+        _gds(store),
+        variables=["t2m"],
+        batch_size=5,
+        windows={"a": 0, "b": (0, 1)},
+        stack="channel",
+        seed=2,
+    )
+    for samples, batch in zip(loader.batches(), loader, strict=True):
+        t = loader.positions(samples)["time"]
+        a, b = batch["a"], batch["b"]
+        assert a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(a[:, 0], _expected(ref, "t2m", t))
+        np.testing.assert_array_equal(b[:, 0, 0], _expected(ref, "t2m", t))
+        np.testing.assert_array_equal(b[:, 1, 0], _expected(ref, "t2m", t + 1))
+
+
+def test_read_many_writes_into_the_arrays_given(store: Path, ref: xr.Dataset) -> None:
+    from xarray.core import indexing
+
+    from xarray_gds import region
+    from xarray_gds.array import read_many
+    from xarray_gds.loader import _engine_source
+
+    ds = _gds(store)
+    times = [0, 5, 22, 6]
+    requests, dests, names = [], [], []
+    for name, dtype in (("t2m", "f4"), ("u10", "f8"), ("sp", "f8"), ("sp", "f4")):
+        found = _engine_source(ds[name].variable)
+        assert found is not None
+        array, _ = found
+        for t in times:
+            requests.append((array, indexing.BasicIndexer((t, slice(None), slice(None)))))
+            dests.append(np.full((NY, NX), -7, dtype=dtype))
+            names.append(name)
+    got = read_many(requests, dests)
+    for (_, key), value, dest, name in zip(requests, got, dests, names, strict=True):
+        want = ref[name].values[key.tuple]
+        np.testing.assert_array_equal(value, want)
+        if dest.dtype == want.dtype:  # u10: decoded (scaled) after the read, then copied
+            assert value is dest
+        else:  # sp into float32: not taken, left as it was
+            assert value is not dest and (dest == -7).all()
+    # the box read itself: chunks placed into the array given, not a new one
+    raw = ds["t2m"].variable._data
+    while not hasattr(raw, "_array"):
+        raw = raw.array
+    dest = np.full((2, NY, NX), -7, dtype="f4")
+    (value,) = region.read_boxes(
+        [(raw._array, (slice(3, 5), slice(None), slice(None)), "cpu")], [dest]
+    )
+    assert np.shares_memory(value, dest)
+    np.testing.assert_array_equal(dest, ref["t2m"].values[3:5])
+    wrong = np.zeros((NY, NX), dtype="f4")  # another shape: a new array
+    (value,) = region.read_boxes([(raw._array, (3, slice(None), slice(None)), "cpu")], [wrong[:2]])
+    assert not np.shares_memory(value, wrong)
+    np.testing.assert_array_equal(value, ref["t2m"].values[3])
+
+
 def test_several_sample_dims(store: Path, ref: xr.Dataset) -> None:
     loader = BatchLoader(_gds(store), ("time", "member"), batch_size=7, seed=2)
     assert loader.variables == ["member_t"]

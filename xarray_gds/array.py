@@ -169,36 +169,67 @@ class GdsBackendArray(BackendArray):
         return values
 
 
-def read_boxes(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any]:
+def read_boxes(
+    items: list[tuple[GdsBackendArray, tuple[Any, ...]]], into: list[Any] | None = None
+) -> list[Any]:
     """``array[key]`` (integer and slice keys) of every item, CF-decoded, their chunks
     read together (:func:`xarray_gds.region.read_boxes`), those of arrays opened on one
     GPU (``device="cuda:N"``) with it current; an entry holds the exception of a read
-    that failed."""
+    that failed. ``into``: destinations, as :func:`read_many` takes them."""
     by_gpu: dict[int | None, list[int]] = {}
     for i, (array, _) in enumerate(items):
         by_gpu.setdefault(array._gpu, []).append(i)
     out: list[Any] = [None] * len(items)
     for gpu, which in by_gpu.items():
+        dests = None if into is None else [into[i] for i in which]
         with _device.on_gpu(gpu):
-            got = _read_boxes_here([items[i] for i in which])
+            got = (
+                _read_boxes_here([items[i] for i in which])
+                if dests is None
+                else _read_boxes_here([items[i] for i in which], dests)
+            )
         for i, value in zip(which, got, strict=True):
             out[i] = value
     return out
 
 
-def _read_boxes_here(items: list[tuple[GdsBackendArray, tuple[Any, ...]]]) -> list[Any]:
-    got = _region_read_boxes([(a._array, key, a._device) for a, key in items])
+def _read_boxes_here(
+    items: list[tuple[GdsBackendArray, tuple[Any, ...]]], into: list[Any] | None = None
+) -> list[Any]:
+    dests = [None] * len(items) if into is None else into
+    wanted = [_destination(a, d) for (a, _), d in zip(items, dests, strict=True)]
+    got = _region_read_boxes(
+        [(a._array, key, a._device) for a, key in items],
+        # the raw values land there only where no CF decoding changes them
+        into=[
+            d if a._cf is None or a._cf.is_identity else None
+            for (a, _), d in zip(items, wanted, strict=True)
+        ],
+    )
     out: list[Any] = []
-    for (a, key), value in zip(items, got, strict=True):
+    for (a, key), value, dest in zip(items, got, wanted, strict=True):
         try:
             if isinstance(value, BaseException):
                 raise value
             if value is None:  # not a box read: zarr's own indexing
                 value = a._array.get_basic_selection(key, prototype=a._prototype())
-            out.append(a._finish(value))
+            value = a._finish(value)
+            if dest is not None and value.shape == dest.shape:
+                if not _device.array_module(a._device).may_share_memory(value, dest):
+                    dest[...] = value
+                value = dest
+            out.append(value)
         except Exception as err:
             out.append(err)
     return out
+
+
+def _destination(array: GdsBackendArray, dest: Any) -> Any:
+    """``dest`` when the values of a read of ``array`` can be written into it (an array
+    of the decoded dtype, on the array's device), else None."""
+    if dest is None or _device.is_device_array(dest) != (array._device == "cuda"):
+        return None
+    return dest if np.dtype(dest.dtype) == np.dtype(array.dtype) else None
 
 
 def _box_key(key: Any, shape: tuple[int, ...]) -> tuple[Any, ...] | None:
@@ -245,14 +276,22 @@ def _local(key: tuple[Any, ...], union: tuple[Any, ...]) -> tuple[slice, ...]:
     )
 
 
-def read_many(requests: list[tuple[Any, indexing.ExplicitIndexer]]) -> list[Any]:
+def read_many(
+    requests: list[tuple[Any, indexing.ExplicitIndexer]], into: list[Any] | None = None
+) -> list[Any]:
     """``array[key]`` for every ``(array, key)`` of xarray-gds backend arrays, read
-    together; an entry whose read failed holds the exception instead of raising."""
+    together; an entry whose read failed holds the exception instead of raising.
+
+    ``into``, one entry a request (or None): an array of the request's result shape and
+    dtype on its device to write the values into. An entry whose value ``is`` its
+    ``into`` array holds them there (a host box read places its chunks straight into
+    it); any other entry is a new array, as without ``into``."""
     out: list[Any] = [None] * len(requests)
     by_array: dict[int, list[int]] = {}
     for i, (array, _) in enumerate(requests):
         by_array.setdefault(id(array), []).append(i)
     boxes: list[tuple[GdsBackendArray, tuple[Any, ...], list[tuple[int, Any]]]] = []
+    dests: list[Any] = []
     alone: list[int] = []
     for members in by_array.values():
         array = requests[members[0]][0]
@@ -261,7 +300,8 @@ def read_many(requests: list[tuple[Any, indexing.ExplicitIndexer]]) -> list[Any]
             alone.extend(members)
             continue
         box_keys: list[tuple[Any, ...]] = [k for k in keys if k is not None]
-        union = _union(box_keys) if len(box_keys) > 1 else None
+        given = into is not None and any(into[i] is not None for i in members)
+        union = _union(box_keys) if len(box_keys) > 1 and not given else None
         if union is not None:
             boxes.append(
                 (
@@ -270,9 +310,11 @@ def read_many(requests: list[tuple[Any, indexing.ExplicitIndexer]]) -> list[Any]
                     [(i, _local(k, union)) for i, k in zip(members, box_keys, strict=True)],
                 )
             )
+            dests.append(None)
         else:
             boxes.extend((array, k, [(i, None)]) for i, k in zip(members, box_keys, strict=True))
-    values = read_boxes([(array, key) for array, key, _ in boxes])
+            dests.extend(None if into is None else into[i] for i in members)
+    values = read_boxes([(array, key) for array, key, _ in boxes], into=dests if into else None)
     for (_, _, pieces), value in zip(boxes, values, strict=True):
         for i, local in pieces:
             out[i] = value if local is None or isinstance(value, BaseException) else value[local]

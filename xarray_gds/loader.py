@@ -395,27 +395,65 @@ class BatchLoader:
         """The batch of the samples numbered ``samples``."""
         at = self.positions(samples)
         n = len(samples)
-        pieces = self._read_pieces(at, n)
-        out: dict[Any, Any] = {}
-        for window, offsets in self._windows.items():
-            if self._stack_dtype is not None:
-                out[window] = self._stacked(pieces, offsets, n)
-            else:
-                out[window] = {v.name: self._one(pieces, v, offsets, n) for v in self._vars}
+        out, targets = self._outputs(n)
+        pieces = self._read_pieces(at, n, targets)
+        for key, places in targets.items():
+            for array, where in places:
+                _put(array, pieces[key], where, _module_of(array))
         if self.output == "dataset":
             out = {w: self._dataset(value, at, self._windows[w]) for w, value in out.items()}
         elif self._to is not None:
             out = {w: _convert(value, self._to) for w, value in out.items()}
         return out.get(None, out)
 
-    def _read_pieces(self, at: dict[str, np.ndarray], n: int) -> dict[tuple[int, int], Any]:
+    def _outputs(
+        self, n: int
+    ) -> tuple[dict[Any, Any], dict[tuple[int, int], list[tuple[Any, tuple[Any, ...]]]]]:
+        """The empty arrays of a batch of ``n`` samples (window -> stacked array or dict
+        of arrays) and where each ``(variable, offset)``'s samples go in them: a list of
+        ``(array, where)``, ``where`` beginning with the sample axis (or empty)."""
+        out: dict[Any, Any] = {}
+        targets: dict[tuple[int, int], list[tuple[Any, tuple[Any, ...]]]] = {}
+        where: tuple[Any, ...]
+        for window, offsets in self._windows.items():
+            steps = offsets if isinstance(offsets, tuple) else (offsets,)
+            lead = (n, len(steps)) if isinstance(offsets, tuple) else (n,)
+            if self._stack_dtype is not None:
+                cuda = any(v.device == "cuda" for v in self._vars)
+                shape = (*lead, len(self._vars), *self._vars[0].rest_shape)
+                array = self._new("cuda" if cuda else "cpu", shape, self._stack_dtype)
+                out[window] = array
+                for k in range(len(self._vars)):
+                    for s, o in enumerate(steps):
+                        where = (slice(None), s, k) if len(lead) == 2 else (slice(None), k)
+                        targets.setdefault((k, o), []).append((array, where))
+                continue
+            arrays = {}
+            for k, v in enumerate(self._vars):
+                array = self._new(v.device, (*lead, *v.rest_shape), v.dtype)
+                arrays[v.name] = array
+                for s, o in enumerate(steps):
+                    where = (slice(None), s) if len(lead) == 2 else ()
+                    targets.setdefault((k, o), []).append((array, where))
+            out[window] = arrays
+        return out, targets
+
+    def _read_pieces(
+        self,
+        at: dict[str, np.ndarray],
+        n: int,
+        targets: Mapping[tuple[int, int], list[tuple[Any, tuple[Any, ...]]]],
+    ) -> dict[tuple[int, int], Any]:
         """``(variable, offset) -> array`` of the samples ``at`` at each offset: for
         variables the engine reads, a list of one array a sample (all read in one
-        :func:`~xarray_gds.array.read_many` batch); for the others, one array with the
-        samples first (xarray's vectorized indexing, dask arrays computed together)."""
+        :func:`~xarray_gds.array.read_many` batch, each written straight into its place
+        in the batch when ``targets`` gives it exactly one: it is then :data:`_PLACED`);
+        for the others, one array with the samples first (xarray's vectorized indexing,
+        dask arrays computed together)."""
         from xarray_gds.array import read_many
 
         items: list[tuple[Any, Any]] = []
+        dests: list[Any] = []
         where: list[tuple[int, int]] = []
         others: dict[str, xr.Variable] = {}
         first = self._dims[0]
@@ -430,20 +468,25 @@ class BatchLoader:
                     others[f"{k}/{o}"] = picked
                     continue
                 along = [shifted[d] for d in self._dims]
+                places = targets.get((k, o), [])
+                only = places[0] if len(places) == 1 else None
                 for b in range(n):
                     items.append((v.array, _engine_key(v, along, b)))
+                    dests.append(None if only is None else only[0][(b, *only[1][1:])])
                     where.append((k, o))
         pieces: dict[tuple[int, int], Any] = {}
         if items:
             from xarray.core import indexing
 
-            values = read_many([(a, indexing.BasicIndexer(key)) for a, key in items])
-            for (k, o), value in zip(where, values, strict=True):
+            values = read_many([(a, indexing.BasicIndexer(key)) for a, key in items], dests)
+            for (k, o), value, dest in zip(where, values, dests, strict=True):
                 if isinstance(value, BaseException):
                     raise RuntimeError(
                         f"BatchLoader: reading variable {self._vars[k].name!r} failed: {value}"
                     ) from value
-                pieces.setdefault((k, o), []).append(value)
+                pieces.setdefault((k, o), []).append(
+                    _PLACED if dest is not None and value is dest else value
+                )
         if others:
             got = xr.Dataset(others).compute()
             for name in others:
@@ -453,30 +496,6 @@ class BatchLoader:
 
     def _new(self, device: _device.Device, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return _device.array_module(device).empty(shape, dtype=dtype)
-
-    def _one(self, pieces: dict[tuple[int, int], Any], v: _Var, offsets: Any, n: int) -> Any:
-        k = self._vars.index(v)
-        steps = offsets if isinstance(offsets, tuple) else (offsets,)
-        lead = (n, len(steps)) if isinstance(offsets, tuple) else (n,)
-        out = self._new(v.device, (*lead, *v.rest_shape), v.dtype)
-        xp = _device.array_module(v.device)
-        for s, o in enumerate(steps):
-            _put(out, pieces[(k, o)], (slice(None), s) if len(lead) == 2 else (), xp)
-        return out
-
-    def _stacked(self, pieces: dict[tuple[int, int], Any], offsets: Any, n: int) -> Any:
-        steps = offsets if isinstance(offsets, tuple) else (offsets,)
-        lead = (n, len(steps)) if isinstance(offsets, tuple) else (n,)
-        device: _device.Device = "cuda" if any(v.device == "cuda" for v in self._vars) else "cpu"
-        assert self._stack_dtype is not None
-        shape = (*lead, len(self._vars), *self._vars[0].rest_shape)
-        out = self._new(device, shape, self._stack_dtype)
-        xp = _device.array_module(device)
-        for k in range(len(self._vars)):
-            for s, o in enumerate(steps):
-                where = (slice(None), s, k) if len(lead) == 2 else (slice(None), k)
-                _put(out, pieces[(k, o)], where, xp)
-        return out
 
     def _dataset(self, value: dict[Hashable, Any], at: dict[str, np.ndarray], offsets: Any) -> Any:
         windowed = isinstance(offsets, tuple)
@@ -632,12 +651,23 @@ def _engine_key(v: _Var, at: list[np.ndarray], b: int) -> tuple[Any, ...]:
     return tuple(key)
 
 
+#: a sample read straight into its place in the batch (nothing left to copy)
+_PLACED: Any = object()
+
+
+def _module_of(array: Any) -> Any:
+    return _device.array_module("cuda" if _device.is_device_array(array) else "cpu")
+
+
 def _put(out: Any, piece: Any, where: tuple[Any, ...], xp: Any) -> None:
     """``piece`` (a list of one array a sample, or one array with the samples first)
-    into ``out[where]`` (``where`` begins with the sample axis, or is empty)."""
+    into ``out[where]`` (``where`` begins with the sample axis, or is empty); samples
+    that are :data:`_PLACED` are there already."""
     if isinstance(piece, list):
         rest = where[1:]
         for b, one in enumerate(piece):
+            if one is _PLACED:
+                continue
             out[(b, *rest)] = one if _same_module(one, xp) else xp.asarray(one)
     else:
         out[where or (slice(None),)] = piece if _same_module(piece, xp) else xp.asarray(piece)

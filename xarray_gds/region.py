@@ -110,13 +110,21 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
     return value
 
 
-def read_boxes(items: list[tuple[Any, tuple[Any, ...], _device.Device]]) -> list[Any]:
+def read_boxes(
+    items: list[tuple[Any, tuple[Any, ...], _device.Device]],
+    into: list[Any] | None = None,
+) -> list[Any]:
     """:func:`read_box` of every ``(array, key, device)``, their chunks read together: the
     boxes that fit in one batch each are joined into as few reads and decodes as the
     batch budget allows (:func:`xarray_gds.coalesce.fetch_decode_many`), across arrays
     and stores. Each entry of the result is the box's values, ``None`` (not a box read:
-    see :func:`read_box`) or the exception its chunks raised."""
-    plans = [_plan(*item) for item in items]
+    see :func:`read_box`) or the exception its chunks raised.
+
+    ``into``, one entry an item (or None): a writable numpy array of the box's shape
+    (integer axes dropped) and the array's dtype in native order, which a host read
+    places its chunks into instead of a new array (the entry's values are then a view
+    of it); one that does not fit, or a device read, is ignored."""
+    plans = [_plan(*item, into=None if into is None else into[i]) for i, item in enumerate(items)]
     out: list[Any] = [None] * len(items)
     joined = [i for i, p in enumerate(plans) if p is not None and len(p.parts) == 1]
     fetched = coalesce.fetch_decode_many(
@@ -179,8 +187,11 @@ class _Planned:
         return self.result()
 
 
-def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned | None:
-    """The box read of ``array[key]``, or None when it is not one (see :func:`read_box`)."""
+def _plan(
+    array: Any, key: tuple[Any, ...], device: _device.Device, into: Any = None
+) -> _Planned | None:
+    """The box read of ``array[key]``, or None when it is not one (see :func:`read_box`);
+    a host read places into ``into`` where it fits (see :func:`read_boxes`)."""
     on_device = device == "cuda"
     asynchronous = array.async_array
     pipe = asynchronous.codec_pipeline
@@ -201,9 +212,24 @@ def _plan(array: Any, key: tuple[Any, ...], device: _device.Device) -> _Planned 
     reader = _Reader(array.metadata, f"{path}/" if path else "", store, chain, box, on_device)
     xp = _device.array_module(device)
     shape = tuple(b - a for a, b in zip(box.start, box.stop, strict=True))
-    out = xp.empty(shape, dtype=chain.dtype.newbyteorder("="))
+    dtype = chain.dtype.newbyteorder("=")
+    if _fits(into, on_device, shape, box.drop, dtype):
+        out = np.expand_dims(into, box.drop)  # a view: the chunks land in ``into``
+    else:
+        out = xp.empty(shape, dtype=dtype)
     parts = [(r, min(r + rows_per_part, box.grid[0])) for r in range(0, box.grid[0], rows_per_part)]
     return _Planned(store, chain, box, reader, parts, out, on_device)
+
+
+def _fits(
+    into: Any, on_device: bool, shape: tuple[int, ...], drop: tuple[int, ...], dtype: np.dtype
+) -> bool:
+    """Whether a host read of a box of ``shape`` (``drop``: its integer axes) can place
+    its values into ``into``."""
+    if into is None or on_device or type(into) is not np.ndarray:
+        return False
+    kept = tuple(n for axis, n in enumerate(shape) if axis not in drop)
+    return into.shape == kept and into.dtype == dtype and into.flags.writeable
 
 
 class _Reader:
