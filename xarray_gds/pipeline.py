@@ -5,8 +5,10 @@ the ``codec_pipeline.path`` setting. For arrays whose codecs :func:`plan_chain`
 understands, a read fetches every chunk of the selection at once (kvikio into one
 device arena for :class:`~xarray_gds.store.GdsStore`), decodes them with one batched
 call per batch (nvCOMP on the GPU, threaded numcodecs on the host), undoes filters on
-the whole batch, and scatters the chunks into the output. Everything else, writes
-included, goes to zarr's own :class:`~zarr.core.codec_pipeline.BatchedCodecPipeline`.
+the whole batch, and scatters the chunks into the output. Everything else goes to
+zarr's own :class:`~zarr.core.codec_pipeline.BatchedCodecPipeline`, except writes of
+host values, which zarr's :class:`~zarr.core.codec_pipeline.FusedCodecPipeline` makes
+(the same bytes, with less work a chunk: see ``GdsCodecPipeline._host_writer``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from zarr.core.array import create_codec_pipeline
 from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
-from zarr.core.codec_pipeline import BatchedCodecPipeline
+from zarr.core.codec_pipeline import BatchedCodecPipeline, FusedCodecPipeline
 from zarr.core.common import concurrent_map
 from zarr.registry import get_pipeline_class, register_pipeline
+from zarr.storage import WrapperStore
 
 from xarray_gds import coalesce, config, decode, sources
 from xarray_gds import device as _device
@@ -229,6 +232,7 @@ class GdsCodecPipeline(CodecPipeline):
         self._metadata = metadata
         self._levels = levels
         self._encode: EncodeChain | ShardEncode | str | None = None
+        self._fused: CodecPipeline | None = None  #: writes host values (_host_writer)
 
     def __repr__(self) -> str:
         return f"GdsCodecPipeline(chain={self._chain!r})"
@@ -284,9 +288,10 @@ class GdsCodecPipeline(CodecPipeline):
         return await self._fallback.encode(chunk_arrays_and_specs)
 
     async def write(self, batch_info: Iterable[Any], value: Any, drop_axes: Any = ()) -> None:
-        """zarr's write for host values; device values are merged, checked for emptiness
-        and encoded on the GPU in batches (one nvCOMP call per batch), or copied to the
-        host for zarr's codecs when the array's codecs have no batched encoder."""
+        """Host values are written by zarr's codecs (:meth:`_host_writer`); device values
+        are merged, checked for emptiness and encoded on the GPU in batches (one nvCOMP
+        call per batch), or copied to the host for zarr's codecs when the array's codecs
+        have no batched encoder."""
         array = value.as_ndarray_like()
         batch = list(batch_info)
         if not batch:
@@ -299,7 +304,32 @@ class GdsCodecPipeline(CodecPipeline):
         if on_device:
             self._warn_host_encode(batch[0][0].path, str(plan))
             value = cpu.NDBuffer.from_numpy_array(await _offload(array.get))
-        await self._fallback.write(batch, value, drop_axes)
+        writer = self._fallback
+        if _sync_io_matches(getattr(batch[0][0], "store", None)):
+            writer = self._host_writer(batch[0][1])
+        await writer.write(batch, value, drop_axes)
+
+    def _host_writer(self, chunk_spec: ArraySpec) -> CodecPipeline:
+        """The pipeline that writes host values: zarr's own
+        :class:`~zarr.core.codec_pipeline.FusedCodecPipeline` over the array's codecs,
+        where every codec can encode synchronously (zarr's pipeline otherwise).
+
+        Both write what zarr's codecs make of each chunk, byte for byte. The fused one
+        merges, checks, encodes and stores each chunk as one task on zarr's thread pool,
+        with one hop off the event loop a batch, where the batched one makes a
+        coroutine a chunk and copies every chunk into its stored layout on the event
+        loop's thread: on the host, the difference is most of what a write costs
+        beyond compressing (see docs/performance.md). Stores without synchronous IO
+        (remote ones) are written through the same per-chunk coroutines by both; so
+        are stores whose synchronous methods another class defines than their async
+        ones (see :func:`_sync_io_matches`).
+        """
+        if self._fused is None:
+            codecs: Iterable[Any] = self._fallback  # type: ignore[assignment]
+            fused = FusedCodecPipeline.from_codecs(tuple(codecs))
+            fused = fused.evolve_from_array_spec(chunk_spec)
+            self._fused = fused if fused.sync_transform is not None else self._fallback
+        return self._fused
 
     @property
     def encode_plan(self) -> EncodeChain | ShardEncode | str:
@@ -705,6 +735,28 @@ def _scatter(
     return tuple(
         GetResult(status="present" if i in found else "missing") for i in range(len(batch))
     )
+
+
+def _same_sync_io(cls: type) -> bool:
+    def owner(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+    return all(owner(name) is owner(f"{name}_sync") for name in ("get", "set", "delete"))
+
+
+def _sync_io_matches(store: Any) -> bool:
+    """Whether ``store`` and every store it wraps define their synchronous ``get``,
+    ``set`` and ``delete`` in the class that defines the async ones. zarr's fused
+    pipeline writes through the synchronous methods: a store subclass that overrides
+    only ``set`` (to record or change what is written) keeps its override only
+    through the async ones. False for None."""
+    if store is None:
+        return False
+    while isinstance(store, WrapperStore):
+        if not _same_sync_io(type(store)):
+            return False
+        store = store._store
+    return _same_sync_io(type(store))
 
 
 def _host_batched_writes() -> bool:
