@@ -9,7 +9,6 @@ its S3 prefix, the referenced file, inline bytes).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import pytest
 import xarray as xr
 import zarr
 
+from tests._s3 import client as s3_client
+from tests._s3 import loopback_s3
 from xarray_gds.ice import IcechunkFallbackWarning, IcechunkReadStore, IcechunkSource, chunk_storage
 from xarray_gds.refs import Reference
 
@@ -461,32 +462,14 @@ def test_chunk_storage_descriptions() -> None:
 # -- S3 storage against a moto server ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
-    moto_server = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
-    server.start()
-    host, port = server._server.server_address[:2]
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="ice",
-        aws_secret_access_key="cold",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket="ice")
-    try:
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    with loopback_s3() as endpoint:
+        client = s3_client(endpoint, "ice", "cold")
+        client.create_bucket(Bucket="ice")
         yield {"endpoint_url": endpoint, "client": client}
-    finally:
-        server.stop()
 
 
 def _s3_repo(s3: dict[str, Any], prefix: str) -> icechunk.Repository:

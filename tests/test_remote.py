@@ -15,12 +15,14 @@ import threading
 from pathlib import Path
 
 import aiohttp
-import moto.server as moto_server
 import numpy as np
 import pytest
 import s3fs
 import xarray as xr
 import zarr
+
+from tests._s3 import client as s3_client
+from tests._s3 import loopback_s3, storage_options
 
 KEY = "AKIAXGDSTESTKEY0001"
 SECRET = "xgds-secret-do-not-print-0123456789"
@@ -34,30 +36,26 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def s3():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
-    server.start()
-    host, port = server._server.server_address[:2]
-    endpoint = f"http://{host}:{port}"
-    import boto3
+    with loopback_s3() as endpoint:
+        s3_client(endpoint, KEY, SECRET).create_bucket(Bucket="data")
+        yield storage_options(endpoint, KEY, SECRET)
 
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=KEY,
-        aws_secret_access_key=SECRET,
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket="data")
-    options = {
-        "key": KEY,
-        "secret": SECRET,
-        "endpoint_url": endpoint,
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-    try:
-        yield options
-    finally:
-        server.stop()
+
+def test_the_s3_servers_steps_are_bounded():
+    """tests/_s3.py: a server step that does not finish is an error naming it, within
+    the time given; one that fails raises its own error."""
+    from tests import _s3
+
+    never = threading.Event()
+    with pytest.raises(RuntimeError, match=r"did not start within 0 s"):
+        _s3._bounded(never.wait, 0.05, "start")
+
+    def broken() -> None:
+        raise OSError("address in use")
+
+    with pytest.raises(OSError, match="address in use"):
+        _s3._bounded(broken, 5, "start")
+    never.set()
 
 
 def _dataset() -> xr.Dataset:
@@ -676,26 +674,11 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
     from xarray_gds.tools import cli
 
     caplog.set_level(logging.DEBUG)  # every logger: ours, s3fs, botocore, aiohttp
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server._server.server_address[1]}"
-        import boto3
-
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=LEAK,
-            region_name="us-east-1",
-        ).create_bucket(Bucket="creds")
-        options = {
-            "key": KEY,
-            "secret": LEAK,
-            "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
-            "config_kwargs": {"retries": {"max_attempts": 1}},
-        }
+    with loopback_s3() as endpoint:  # stopped before the last read below
+        s3_client(endpoint, KEY, LEAK).create_bucket(Bucket="creds")
+        options = storage_options(
+            endpoint, KEY, LEAK, config_kwargs={"retries": {"max_attempts": 1}}
+        )
         url = "s3://creds/one.zarr"
         _dataset().to_zarr(url, storage_options=options, mode="w", consolidated=False)
 
@@ -724,8 +707,6 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
         err = capsys.readouterr().err
         assert "s3://creds/one.zarr" in err and "endpoint cannot be reached" in err
         texts.append(err)
-    finally:
-        server.stop()
 
     with pytest.raises(
         ConnectionError,
