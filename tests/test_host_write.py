@@ -23,7 +23,7 @@ import pytest
 import xarray as xr
 import zarr.codecs as zc
 from zarr.core.codec_pipeline import BatchedCodecPipeline, FusedCodecPipeline
-from zarr.storage import LocalStore, MemoryStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 import xarray_gds
 from xarray_gds.deferred import HeldMetadataStore
@@ -137,8 +137,9 @@ def _spy(base: type) -> Any:
 
 def test_host_chunks_are_written_by_zarrs_fused_pipeline(tmp_path: Path) -> None:
     """Through xarray-gds, every chunk of host values is stored by the synchronous
-    ``set`` on zarr's pool threads; xarray's own write (zarr's batched pipeline) stores
-    them through the async one. The metadata is held and written at the end either way."""
+    ``set`` on zarr's pool threads or the engine's; xarray's own write (zarr's batched
+    pipeline) stores them through the async one. The metadata is held and written at
+    the end either way."""
     ds = _dataset()
     encoding = {v: {"chunks": (2, 6, 10)} for v in ds.data_vars}
     ours = _spy(LocalStore)(tmp_path / "ours.zarr")
@@ -153,7 +154,10 @@ def test_host_chunks_are_written_by_zarrs_fused_pipeline(tmp_path: Path) -> None
 
     assert set(chunks(ours.via)) == set(chunks(theirs.via))
     assert len(chunks(ours.via)) == 2 * 4 * 2 - 2  # two chunks of t hold NaN only: left out
-    assert "async" not in chunks(ours.via).values()
+    assert not {"async", "MainThread"} & set(chunks(ours.via).values())
+    assert all(
+        v.startswith(("ThreadPoolExecutor", "xarray-gds")) for v in chunks(ours.via).values()
+    )
     assert set(chunks(theirs.via).values()) == {"async"}
     _same_bytes(tmp_path / "ours.zarr", tmp_path / "theirs.zarr")
 
@@ -186,6 +190,7 @@ def test_sync_io_matches(tmp_path: Path) -> None:
     assert _sync_io_matches(_spy(LocalStore)(tmp_path / "b.zarr"))
     assert not _sync_io_matches(OnlySet(tmp_path / "c.zarr"))
     assert not _sync_io_matches(None)
+    assert not _sync_io_matches(FsspecStore.from_url("memory://x.zarr"))  # no sync IO
     held = HeldMetadataStore(OnlySet(tmp_path / "d.zarr"))
     try:
         assert not _sync_io_matches(held)  # what it wraps counts
@@ -223,3 +228,25 @@ def test_host_writer_is_zarrs_fused_pipeline_where_codecs_encode_synchronously(
     np.testing.assert_array_equal(
         zarr.open_array(tmp_path / "a.zarr", path="a")[:], np.arange(24).reshape(4, 6)
     )
+
+
+def test_write_workers_follow_zarrs_setting(tmp_path: Path) -> None:
+    import zarr
+
+    from xarray_gds.pipeline import _write_workers
+
+    with zarr.config.set({"codec_pipeline.max_workers": None}):
+        assert _write_workers() == (os.cpu_count() or 1)
+    with zarr.config.set({"codec_pipeline.max_workers": 3}):
+        assert _write_workers() == 3
+    ds = _dataset()
+    with zarr.config.set({"codec_pipeline.max_workers": 1}):  # one thread: still the same
+        xarray_gds.to_zarr(
+            ds, tmp_path / "one.zarr", encoding={v: {"chunks": (2, 6, 10)} for v in ds}
+        )
+    xr.testing.assert_identical(xr.open_dataset(tmp_path / "one.zarr", engine="zarr").load(), ds)
+    with (
+        zarr.config.set({"codec_pipeline.max_workers": "many"}),
+        pytest.raises(ValueError, match=r"codec_pipeline\.max_workers.*'many'"),
+    ):
+        xarray_gds.to_zarr(ds, tmp_path / "bad.zarr")
