@@ -11,7 +11,8 @@ opens write through :class:`~xarray_gds.pipeline.GdsCodecPipeline`, which encode
 device values on the GPU in batches (nvCOMP) and writes each chunk file whole. Device
 variables reach it as dask arrays of CuPy blocks (a CuPy array becomes one block), so
 that xarray's CF encoding runs on them lazily. Host variables are written by
-zarr-python as with ``engine="zarr"``.
+zarr-python's codecs, the bytes ``engine="zarr"`` writes (through zarr's fused
+pipeline where the store allows: see ``GdsCodecPipeline._host_writer``).
 """
 
 from __future__ import annotations
