@@ -257,7 +257,7 @@ def test_zarr_array_error_suggests_a_call_that_works(tmp_path: Path, path: str) 
         warnings.simplefilter("ignore")
         got = eval(call, {"xr": xr, "array": array})  # the suggestion, as a user types it
     assert isinstance(got, xr.DataArray)
-    np.testing.assert_array_equal(got.values, np.arange(4, dtype="f4"))
+    np.testing.assert_array_equal(got.as_numpy().values, np.arange(4, dtype="f4"))
 
 
 def test_root_zarr_array_error_says_to_read_it_with_zarr(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import icechunk
 import numpy as np
 import pytest
 import xarray as xr
@@ -23,6 +22,8 @@ from tests._s3 import client as s3_client
 from tests._s3 import loopback_s3
 from xarray_gds.ice import IcechunkFallbackWarning, IcechunkReadStore, IcechunkSource, chunk_storage
 from xarray_gds.refs import Reference
+
+icechunk = pytest.importorskip("icechunk")  # the test extra has it; not every GPU image
 
 pytestmark = pytest.mark.filterwarnings("error::xarray_gds.ice.IcechunkFallbackWarning")
 

@@ -595,6 +595,7 @@ def test_torch_tensors_share_the_device_memory(store: Path, ref: xr.Dataset) -> 
     got = list(dl)
     assert len(got) == len(plan)
     for samples, batch in zip(plan, got, strict=True):
+        assert isinstance(batch, torch.Tensor) and batch.is_cuda  # zero copy, on the GPU
         t = source.positions(samples)["time"]
         np.testing.assert_array_equal(batch[:, 2].cpu().numpy(), _expected(ref, "sp", t))
     # workers forked after CUDA was initialised: the error says so

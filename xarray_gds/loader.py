@@ -576,7 +576,9 @@ class BatchLoader:
 
     def torch_dataset(self) -> Any:
         """This loader as a ``torch.utils.data.IterableDataset`` of whole batches, for
-        ``DataLoader(loader.torch_dataset(), batch_size=None, num_workers=0)``.
+        ``DataLoader(loader.torch_dataset(), batch_size=None, num_workers=0)``. Its
+        arrays come as torch tensors (zero copy through DLPack: CUDA tensors for GPU
+        batches), unless ``to=`` already made something else.
 
         The loader reads and prefetches in its own thread: a DataLoader's worker
         processes would each read every batch again, and a device dataset cannot be
@@ -804,6 +806,18 @@ def _sync(gpu: int | None) -> None:
 _torch_class: Any = None
 
 
+def _as_tensors(batch: Any) -> Any:
+    """A batch's arrays as torch tensors, zero copy through DLPack (CuPy arrays on the
+    GPU, numpy on the host); what ``to=`` already made, and Datasets, as they are."""
+    import torch
+
+    if isinstance(batch, dict):
+        return {name: _as_tensors(value) for name, value in batch.items()}
+    if hasattr(batch, "__dlpack__") and not isinstance(batch, torch.Tensor):
+        return torch.from_dlpack(batch)
+    return batch
+
+
 def _torch_dataset_class() -> Any:
     """The IterableDataset adapter (made on first use: importing torch is slow)."""
     global _torch_class
@@ -820,7 +834,7 @@ def _torch_dataset_class() -> Any:
                 if info is not None:
                     forked = os.getpid() != self._pid and not getattr(self, "_unpickled", False)
                     self.loader._check_worker(info.id, info.num_workers, forked)
-                return iter(self.loader)
+                return (_as_tensors(batch) for batch in self.loader)
 
             def __len__(self) -> int:
                 return len(self.loader)

@@ -67,14 +67,18 @@ def _measure(name: str, codec: Any, chunk_nbytes: int, many: int, small: int) ->
     from xarray_gds.codecs import Compressor, DecodeChain, nvcomp
 
     cp = _device.cupy()
-    chain = DecodeChain((chunk_nbytes // 4,), np.dtype("f4"), compressor=Compressor(name, codec))
+    chain = DecodeChain(
+        (chunk_nbytes // 4,), np.dtype("f4"), compressor=Compressor(name, codec), stored_order=(0,)
+    )
     encoded = [np.frombuffer(codec.encode(_chunk(chunk_nbytes, i)), np.uint8) for i in range(8)]
     one = nvcomp.pack([cp.asarray(encoded[0])])
     batch = nvcomp.pack([cp.asarray(encoded[i % 8]) for i in range(many)])
     keys = [f"calibrate/{i}" for i in range(many)]
     t1 = _best(lambda: nvcomp.decode(chain, one, [0], keys[:1]))
     tn = _best(lambda: nvcomp.decode(chain, batch, list(range(many)), keys), 3)
-    tiny_chain = DecodeChain((small // 4,), np.dtype("f4"), compressor=Compressor(name, codec))
+    tiny_chain = DecodeChain(
+        (small // 4,), np.dtype("f4"), compressor=Compressor(name, codec), stored_order=(0,)
+    )
     tiny = nvcomp.pack([cp.asarray(np.frombuffer(codec.encode(_chunk(small, 0)), np.uint8))])
     t0 = _best(lambda: nvcomp.decode(tiny_chain, tiny, [0], keys[:1]))
     gpu_batch = (many - 1) * chunk_nbytes / max(tn - t1, 1e-9)
@@ -197,7 +201,12 @@ def compare(
     rows = []
     for fmt in formats:
         codec = _CODECS[fmt]()
-        chain = DecodeChain((chunk_nbytes // 4,), np.dtype("f4"), compressor=Compressor(fmt, codec))
+        chain = DecodeChain(
+            (chunk_nbytes // 4,),
+            np.dtype("f4"),
+            compressor=Compressor(fmt, codec),
+            stored_order=(0,),
+        )
         encoded = [np.frombuffer(codec.encode(_chunk(chunk_nbytes, i)), np.uint8) for i in range(8)]
         for n in counts:
             stored = [encoded[i % len(encoded)] for i in range(n)]
