@@ -105,7 +105,7 @@ KNOBS: dict[str, Knob] = {
         Knob(
             "split",
             str,
-            "auto",
+            "off",  # auto once its gain is measured on a GPU (docs/config.md)
             "device batches shared between nvCOMP and the host pool: auto, off or on",
             choices=("auto", "off", "on"),
         ),
