@@ -20,10 +20,11 @@ and the bytes of inline chunks. :class:`IcechunkSource` reads from there:
 Native chunks need to know where the repository's storage lies, which a session does
 not say: the engine is told with ``storage_options={"icechunk_storage": repo.storage}``
 (or the storage's local path or ``s3://bucket/prefix`` URL; the other keys are s3fs's
-options for S3: credentials, ``endpoint_url``...). Whatever the fast path cannot read
-(native chunks of unknown or other storage, a chunk kind it does not know, a writable
-session's chunks that are not committed...) is read through ``IcechunkStore.get``,
-with one :class:`IcechunkFallbackWarning` an array that says why.
+options for S3: credentials, ``endpoint_url``..., for native chunks on S3 and for
+virtual chunks at ``s3://`` URLs, whatever the repository's storage). Whatever the
+fast path cannot read (native chunks of unknown or other storage, a chunk kind it does
+not know, a writable session's chunks that are not committed...) is read through
+``IcechunkStore.get``, with one :class:`IcechunkFallbackWarning` an array that says why.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class ChunkStorage:
     root : str
         The repository's directory, or ``bucket/prefix`` on S3.
     options : dict
-        s3fs's options for S3 (credentials, ``endpoint_url``, ``client_kwargs``).
+        s3fs's options (credentials, ``endpoint_url``, ``client_kwargs``): for native
+        chunks on S3, and for virtual chunks at ``s3://`` URLs, whatever the kind.
     why : str
         Why native chunks are not read where they lie (``kind`` None).
     """
@@ -132,19 +134,20 @@ def chunk_storage(storage_options: dict[str, Any] | None) -> tuple[ChunkStorage,
     given = options.pop(STORAGE_KEY, None)
     if given is None:
         return ChunkStorage(
-            None, why=f"the engine does not know the repository's storage: {_HINT}"
+            None, options=options, why=f"the engine does not know the repository's storage: {_HINT}"
         ), options
     if hasattr(given, "storage") and not isinstance(given, str | os.PathLike):
         given = given.storage  # an icechunk.Repository
     if isinstance(given, os.PathLike) or (isinstance(given, str) and "://" not in given):
-        return ChunkStorage("local", os.path.abspath(os.fspath(given))), options
+        return ChunkStorage("local", os.path.abspath(os.fspath(given)), options), options
     if isinstance(given, str):
         scheme, _, rest = given.partition("://")
         if scheme == "file":
-            return ChunkStorage("local", os.path.abspath(rest)), options
+            return ChunkStorage("local", os.path.abspath(rest), options), options
         if scheme in ("s3", "s3a"):
             return ChunkStorage("s3", rest.strip("/"), options), options
-        return ChunkStorage(None, why=f"the engine does not read {scheme}:// storage"), options
+        why = f"the engine does not read {scheme}:// storage"
+        return ChunkStorage(None, options=options, why=why), options
     if type(given).__name__ != "Storage":
         raise TypeError(
             f"storage_options[{STORAGE_KEY!r}] takes an icechunk.Storage (repo.storage), an "
@@ -154,7 +157,7 @@ def chunk_storage(storage_options: dict[str, Any] | None) -> tuple[ChunkStorage,
     fields = _described(given)
     kind = fields.get("type", "")
     if kind == "local filesystem" and fields.get("path"):
-        return ChunkStorage("local", os.path.abspath(fields["path"])), options
+        return ChunkStorage("local", os.path.abspath(fields["path"]), options), options
     if kind.startswith("S3") and fields.get("bucket"):
         root = "/".join(p for p in (fields["bucket"], fields.get("prefix", "").strip("/")) if p)
         s3 = dict(options)
@@ -165,7 +168,8 @@ def chunk_storage(storage_options: dict[str, Any] | None) -> tuple[ChunkStorage,
         if region and region != "None":
             s3.setdefault("client_kwargs", {}).setdefault("region_name", region)
         return ChunkStorage("s3", root, s3), options
-    return ChunkStorage(None, why=f"the engine does not read {kind or 'this'} storage"), options
+    why = f"the engine does not read {kind or 'this'} storage"
+    return ChunkStorage(None, options=options, why=why), options
 
 
 # -- the store the engine opens --------------------------------------------------------
@@ -321,6 +325,7 @@ class _Remote(NamedTuple):
     name: str  #: the object's key in ``store``
     offset: int
     size: int
+    virtual: bool = False  #: a virtual reference (not a chunk of the repository's storage)
 
 
 class _Fallback(NamedTuple):
@@ -357,7 +362,7 @@ def _virtual(
         host, _, name = rest.partition("/")
         options = store.storage.options if store is not None and scheme.startswith("s3") else {}
         base = f"{scheme}://{host}"
-        return _Remote(key, _remote_store(store, base, options), name, offset, size)
+        return _Remote(key, _remote_store(store, base, options), name, offset, size, True)
     return _Fallback(key)
 
 
@@ -559,10 +564,16 @@ def _read_remote(locations: list[_Remote], on_device: bool) -> Fetched:
         missing = [i for i, data in enumerate(found) if data is None]
     if missing:  # Icechunk lists the chunk: its object is gone, or the storage is not this
         loc = locations[missing[0]]
+        check = (
+            "the virtual reference's object is gone, or storage_options (endpoint_url, "
+            "credentials) are not those of its bucket"
+            if loc.virtual
+            else f"check storage_options[{STORAGE_KEY!r}] (the repository's bucket and "
+            "prefix) and the endpoint"
+        )
         raise OSError(
             f"chunk {loc.key!r} of the Icechunk repository is not at "
             f"{remote.store_url(loc.store)}/{loc.name} ({len(missing)} chunks missing): "
-            f"check storage_options[{STORAGE_KEY!r}] (the repository's bucket and prefix) "
-            "and the endpoint, or read the repository with engine='zarr'"
+            f"{check}, or read the repository with engine='zarr'"
         )
     return got if on_device else HostBatch(found)
