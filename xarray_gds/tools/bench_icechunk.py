@@ -21,6 +21,7 @@ cases for machines without a GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import xarray as xr
 
 from xarray_gds import device as _device
+from xarray_gds.tools.bench_refs import note, write_netcdf
 
 __all__ = [
     "contenders",
@@ -79,26 +81,23 @@ def _load(repo: Any, engine: str, device: str | None, chunks: dict[str, Any] | N
     return [var.compute().data for var in ds.data_vars.values()]
 
 
+def _loads(repo: Any, device: str) -> dict[str, Callable[[], Any]]:
+    """Each engine's load of the repository, eager and with ``chunks={}``."""
+    return {
+        f"{engine}{suffix}": functools.partial(_load, repo, engine, device, chunks)
+        for engine in ("gds-zarr", "zarr")
+        for suffix, chunks in (("", None), (" chunks={}", {}))
+    }
+
+
 def contenders(store: Path) -> dict[str, Callable[[], Any]]:
     """The ``icechunk-2var`` case (see the module)."""
-    repo = to_repository(store)
-    return {
-        "gds-zarr": lambda: _load(repo, "gds-zarr", "cuda", None),
-        "gds-zarr chunks={}": lambda: _load(repo, "gds-zarr", "cuda", {}),
-        "zarr": lambda: _load(repo, "zarr", "cuda", None),
-        "zarr chunks={}": lambda: _load(repo, "zarr", "cuda", {}),
-    }
+    return _loads(to_repository(store), "cuda")
 
 
 def host_contenders(store: Path) -> dict[str, Callable[[], Any]]:
     """The same loads on the host (numpy)."""
-    repo = to_repository(store)
-    return {
-        "gds-zarr": lambda: _load(repo, "gds-zarr", "cpu", None),
-        "gds-zarr chunks={}": lambda: _load(repo, "gds-zarr", "cpu", {}),
-        "zarr": lambda: _load(repo, "zarr", "cpu", None),
-        "zarr chunks={}": lambda: _load(repo, "zarr", "cpu", {}),
-    }
+    return _loads(to_repository(store), "cpu")
 
 
 def virtual_repository(store: Path) -> tuple[Path, Any]:
@@ -110,8 +109,6 @@ def virtual_repository(store: Path) -> tuple[Path, Any]:
     from obstore.store import LocalStore
     from virtualizarr import open_virtual_dataset
     from virtualizarr.parsers import HDFParser
-
-    from xarray_gds.tools.bench_refs import write_netcdf
 
     nc = write_netcdf(store, store.with_name(f"{store.stem}.nc")).resolve()
     prefix = f"file://{nc.parent}/"
@@ -152,16 +149,3 @@ def host_virtual_contenders(store: Path) -> dict[str, Callable[[], Any]]:
         "h5netcdf": lambda: xr.open_dataset(nc, engine="h5netcdf")["t"].values,
         "zarr": lambda: _load(repo, "zarr", "cpu", None),
     }
-
-
-def note(result: Any) -> str:
-    """gds-zarr against the faster other reader (engine="zarr" on the same session, or
-    h5netcdf on the file), eagerly and with ``chunks={}`` (the issue's target: >= 8x)."""
-    parts = []
-    for suffix in ("", " chunks={}"):
-        ours = result.seconds.get(f"gds-zarr{suffix}")
-        others = [result.seconds.get(f"{k}{suffix}") for k in ("zarr", "h5netcdf")]
-        best = min((s for s in others if s is not None), default=None)
-        if ours is not None and best is not None:
-            parts.append(f"gds-zarr{suffix} vs the faster other: {best / ours:.2f}x")
-    return "; ".join(parts)
