@@ -31,7 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds.codecs.blosc import FORMAT_VERSION, HEADER_NBYTES, STREAMS, InnerStream
+from xarray_gds.codecs.blosc import (
+    _BITSHUFFLE,
+    _DONT_SPLIT,
+    _MEMCPYED,
+    _SHUFFLE,
+    CNAMES,
+    FORMAT_VERSION,
+    HEADER_NBYTES,
+    STREAMS,
+    InnerStream,
+)
 
 __all__ = [
     "DEFAULT_BLOCKSIZE",
@@ -50,11 +60,12 @@ __all__ = [
 #: runs fastest on inputs of about this size (see docs/performance.md).
 DEFAULT_BLOCKSIZE = 1 << 18
 
-#: Compressor code (flags bits 5-7) of each Blosc compressor the encoder writes.
-_CODES = {"lz4": 1, "lz4hc": 1, "zlib": 3, "zstd": 4}
+#: Compressor code (flags bits 5-7, the decoder's :data:`~xarray_gds.codecs.blosc.CNAMES`)
+#: of each Blosc compressor the encoder writes: those with a batched decoder, and lz4hc
+#: (LZ4 streams).
+_CODES = {name: CNAMES.index(name) for name in STREAMS} | {"lz4hc": CNAMES.index("lz4")}
 #: Blosc compressors whose frames the encoder writes (lz4hc: LZ4 streams).
 ENCODED_CNAMES = frozenset(_CODES)
-_SHUFFLE, _MEMCPYED, _BITSHUFFLE, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x10
 _PREFIX = 4  # the int32 size before every stream
 _MAX_NBYTES = 2**31 - 1 - HEADER_NBYTES  # c-blosc's BLOSC_MAX_BUFFERSIZE
 
