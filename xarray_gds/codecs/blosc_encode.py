@@ -329,7 +329,7 @@ def compress_host(
 
 
 def _adler_host(rows: np.ndarray) -> np.ndarray:
-    return np.array([zlib.adler32(r.tobytes()) for r in rows], dtype=np.uint32)
+    return np.array([zlib.adler32(r) for r in rows], dtype=np.uint32)
 
 
 def block_sums(
