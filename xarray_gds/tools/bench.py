@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from xarray_gds.tools import (
     bench_write,
     s3_server,
 )
+from xarray_gds.tools._stores import write_blocks
 
 __all__ = ["CASES", "Result", "make_store", "run"]
 
@@ -106,27 +107,17 @@ def make_store(
     nt = max(steps_per_chunk, nt // len(names) // steps_per_chunk * steps_per_chunk)
     if shard_bytes:
         nt = math.ceil(nt / enc["shards"][0]) * enc["shards"][0]
-    first = True
-    for start in range(0, nt, block_t):
-        n = min(block_t, nt - start)
-        ds = xr.Dataset()
-        for name in names:
-            noise = rng.standard_normal((n, ny_total, nx), dtype="f4")
-            ds[name] = (("time", "y", "x"), np.round(base[None] + noise, 2))
-        if first:
-            encoding = {name: enc for name in names}
-            ds.to_zarr(
-                path, mode="w", zarr_format=zarr_format, encoding=encoding, consolidated=False
-            )
-            first = False
-        else:
-            ds.to_zarr(path, append_dim="time", consolidated=False)
-    with warnings.catch_warnings():
-        # zarr-python notes, for every store, that consolidated metadata is not part of
-        # the v3 spec; both engines read it, and the benchmark opens with it on purpose.
-        warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
-        zarr.consolidate_metadata(path)
-    return path
+
+    def blocks() -> Iterator[xr.Dataset]:
+        for start in range(0, nt, block_t):
+            n = min(block_t, nt - start)
+            ds = xr.Dataset()
+            for name in names:
+                noise = rng.standard_normal((n, ny_total, nx), dtype="f4")
+                ds[name] = (("time", "y", "x"), np.round(base[None] + noise, 2))
+            yield ds
+
+    return write_blocks(path, blocks(), {name: enc for name in names}, zarr_format)
 
 
 def _time(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> float:

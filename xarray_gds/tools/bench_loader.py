@@ -27,8 +27,7 @@ contender, the fraction of the time spent waiting on data rather than in the ste
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import zarr.codecs as zc
 
 from xarray_gds import device as _device
 from xarray_gds.loader import BatchLoader
+from xarray_gds.tools._stores import write_blocks
 
 __all__ = ["EPOCHS", "contenders", "make_era5", "note"]
 
@@ -71,30 +71,26 @@ def make_era5(path: Path, nbytes: int, batch: int = 16, **_: Any) -> Path:
     time_axis = pd.date_range("2000-01-01", periods=nt, freq="6h")
     enc = {name: {"chunks": (1, ny, nx), "compressors": [zc.ZstdCodec(level=1)]} for name in NAMES}
     block = max(1, (512 << 20) // (len(NAMES) * ny * nx * 4))
-    for start in range(0, nt, block):
-        steps = range(start, min(nt, start + block))
-        data = {}
-        for k, name in enumerate(NAMES):
-            values = np.stack(
-                [np.roll(noise[(t + k) % len(noise)], t + 3 * k, axis=1) for t in steps]
+
+    def blocks() -> Iterator[xr.Dataset]:
+        for start in range(0, nt, block):
+            steps = range(start, min(nt, start + block))
+            data = {}
+            for k, name in enumerate(NAMES):
+                values = np.stack(
+                    [np.roll(noise[(t + k) % len(noise)], t + 3 * k, axis=1) for t in steps]
+                )
+                data[name] = (("time", "lat", "lon"), np.round(base + values * (1 + k % 3), 2))
+            yield xr.Dataset(
+                data,
+                coords={
+                    "time": time_axis[steps.start : steps.stop],
+                    "lat": np.linspace(90, -90, ny),
+                    "lon": np.linspace(0, 360, nx, endpoint=False),
+                },
             )
-            data[name] = (("time", "lat", "lon"), np.round(base + values * (1 + k % 3), 2))
-        ds = xr.Dataset(
-            data,
-            coords={
-                "time": time_axis[steps.start : steps.stop],
-                "lat": np.linspace(90, -90, ny),
-                "lon": np.linspace(0, 360, nx, endpoint=False),
-            },
-        )
-        if start == 0:
-            ds.to_zarr(path, mode="w", zarr_format=3, encoding=enc, consolidated=False)
-        else:
-            ds.to_zarr(path, append_dim="time", consolidated=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
-        zarr.consolidate_metadata(path)
-    return path
+
+    return write_blocks(path, blocks(), enc, zarr_format=3)
 
 
 class ZarrSamples:
