@@ -144,21 +144,15 @@ def parallel(fn: Any, n: int, workers: int | None = None, min_items: int = 4) ->
         for i in range(n):
             fn(i)
         return
-    pool = _pool()
     used = pool_threads() if workers is None else max(1, min(workers, pool_threads()))
     blocks = min(n, 4 * used)
     edges = np.linspace(0, n, blocks + 1).astype(int)
-    claim = itertools.count()  # next() is atomic: each block runs once
 
-    def run() -> None:
-        while (b := next(claim)) < blocks:
-            for i in range(edges[b], edges[b + 1]):
-                fn(i)
+    def block(b: int) -> None:
+        for i in range(edges[b], edges[b + 1]):
+            fn(i)
 
-    futures = [pool.submit(run) for _ in range(min(used, blocks))]
-    concurrent.futures.wait(futures)  # all of them, even when one failed
-    for future in futures:
-        future.result()
+    start(block, blocks, used)()
 
 
 def start(fn: Any, n: int, workers: int) -> Callable[[], None]:
