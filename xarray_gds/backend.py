@@ -20,7 +20,7 @@ from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
-from xarray_gds import config, fuse, refs, remote
+from xarray_gds import config, fuse, ice, refs, remote
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
@@ -283,13 +283,11 @@ def _open_stores(
         )
         storage_options = None
     storage = None
-    if _icechunk(filename_or_obj):
-        storage, storage_options = _icechunk_storage(storage_options)
+    if _icechunk(filename_or_obj):  # a Store object takes no storage_options
+        storage, storage_options = ice.chunk_storage(storage_options)[0], None
     source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
     if _icechunk(source):  # its chunks read where they lie (xarray_gds/ice.py)
-        from xarray_gds.ice import IcechunkReadStore
-
-        source = IcechunkReadStore(source, storage)
+        source = ice.IcechunkReadStore(source, storage)
         filename_or_obj, storage_options = source, None
     root = group
     if all_groups:  # the root of the groups, as a path from the store's root
@@ -306,24 +304,8 @@ def _open_stores(
 
 
 def _icechunk(obj: Any) -> bool:
-    """An Icechunk session's store, or a zarr Group of one (nothing imports icechunk to
-    ask: a user who holds such a store has imported it)."""
-    import sys
-
-    icechunk = sys.modules.get("icechunk")
-    if icechunk is None:
-        return False
-    store = obj.store if isinstance(obj, zarr.Group) else obj
-    return isinstance(store, icechunk.IcechunkStore)
-
-
-def _icechunk_storage(storage_options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
-    """Where an Icechunk repository's native chunks lie (its ``icechunk_storage``), and
-    the storage_options left for zarr: none (a Store object takes none)."""
-    from xarray_gds.ice import chunk_storage
-
-    storage, _ = chunk_storage(storage_options)
-    return storage, None
+    """An Icechunk session's store, or a zarr Group of one."""
+    return ice.is_icechunk_store(obj.store if isinstance(obj, zarr.Group) else obj)
 
 
 def _open_zarr_stores(
