@@ -146,6 +146,11 @@ def _outside(key: str, grid: tuple[int, ...], sep: str, prefixed: bool) -> bool 
     return any(int(p) >= g for p, g in zip(parts, grid, strict=True))
 
 
+def _within(path: str, top: str) -> bool:
+    """Whether the store path ``path`` is ``top`` or lies below it."""
+    return path == top or path.startswith(top + "/")
+
+
 def _walk(root: Path) -> tuple[list[str], dict[str, list[str]]]:
     """Every file (relative, ``/``-separated) and, per directory, the files in it."""
     files: list[str] = []
@@ -183,7 +188,7 @@ def find_leftovers(
     if published is not None:
         known = {k.rpartition("/")[0] for k in published}
         for node in sorted(nodes - {""}):
-            if node not in known and not any(node.startswith(d + "/") for d in dropped):
+            if node not in known and not any(_within(node, d) for d in dropped):
                 dropped.append(node)
                 found.append(
                     Leftover(node, "unconsolidated-node", "not in the consolidated metadata")
@@ -197,7 +202,7 @@ def find_leftovers(
                 )
     # arrays: their chunk files outside the shape; directories of chunks with no node
     for node in sorted(nodes):
-        if any(node == d or node.startswith(d + "/") for d in dropped):
+        if any(_within(node, d) for d in dropped):
             continue
         v3 = node in v3_nodes
         doc_key = f"{node}/{_V3 if v3 else '.zarray'}".lstrip("/")
@@ -217,12 +222,12 @@ def find_leftovers(
             if outside:
                 found.append(Leftover(f, "orphan-chunk", f"outside the shape of {node or '/'}"))
     for d in sorted(by_dir):
-        if not d or d in nodes or any(d == x or d.startswith(x + "/") for x in dropped):
+        if not d or d in nodes or any(_within(d, x) for x in dropped):
             continue
         parent = d.rpartition("/")[0]
         if parent in nodes and not _is_array(root, parent, parent in v3_nodes):
             # a directory in a group with no metadata anywhere below it: a new array
-            below = [x for x in by_dir if x == d or x.startswith(d + "/")]
+            below = [x for x in by_dir if _within(x, d)]
             if not any(x in nodes for x in below) and any(by_dir[x] for x in below):
                 dropped.append(d)
                 found.append(Leftover(d, "unpublished-node", "chunks of an array with no metadata"))
