@@ -245,6 +245,20 @@ def test_engine_store_pickles_with_its_storage(local_repo: icechunk.Repository) 
 # -- native, virtual and inline chunks in one repository --------------------------------
 
 
+def _virtual_repo(
+    path: Path, folder: Path, config: icechunk.RepositoryConfig | None = None
+) -> icechunk.Repository:
+    """A repository at ``path`` (with ``config``) whose virtual chunks may be files of
+    ``folder`` (``file://`` URLs)."""
+    prefix = f"file://{folder}/"
+    config = config or icechunk.RepositoryConfig.default()
+    config.set_virtual_chunk_container(
+        icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(str(folder)))
+    )
+    access = {prefix: icechunk.credentials.LocalFileSystemAccess}
+    return _repo(path, config=config, authorize_virtual_chunk_access=access)
+
+
 def _mixed_repo(tmp_path: Path) -> tuple[icechunk.Repository, np.ndarray]:
     """An array whose rows are native chunks (0, 1), a virtual chunk in a local file
     (row 3, at an offset of 7), a missing chunk (row 2), and an inline group array."""
@@ -255,14 +269,7 @@ def _mixed_repo(tmp_path: Path) -> tuple[icechunk.Repository, np.ndarray]:
     prefix = f"file://{raw}/"
     config = icechunk.RepositoryConfig.default()
     config.inline_chunk_threshold_bytes = 64
-    config.set_virtual_chunk_container(
-        icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(str(raw)))
-    )
-    repo = icechunk.Repository.create(
-        icechunk.local_filesystem_storage(str(tmp_path / "repo")),
-        config=config,
-        authorize_virtual_chunk_access={prefix: icechunk.credentials.LocalFileSystemAccess},
-    )
+    repo = _virtual_repo(tmp_path / "repo", raw, config)
     session = repo.writable_session("main")
     root = zarr.group(session.store)
     a = root.create_array(
@@ -371,18 +378,9 @@ def test_virtualizarr_repository_matches_h5netcdf(tmp_path: Path, device: str) -
     files = tmp_path / "files"
     files.mkdir()
     _netcdf(files / "a.nc")
-    prefix = f"file://{files}/"
     registry = ObjectStoreRegistry({"file://": LocalStore()})
     vds = open_virtual_dataset(f"file://{files / 'a.nc'}", registry=registry, parser=HDFParser())
-    config = icechunk.RepositoryConfig.default()
-    config.set_virtual_chunk_container(
-        icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(str(files)))
-    )
-    repo = icechunk.Repository.create(
-        icechunk.local_filesystem_storage(str(tmp_path / "repo")),
-        config=config,
-        authorize_virtual_chunk_access={prefix: icechunk.credentials.LocalFileSystemAccess},
-    )
+    repo = _virtual_repo(tmp_path / "repo", files)
     session = repo.writable_session("main")
     vds.vz.to_icechunk(session.store)
     session.commit("virtual")
