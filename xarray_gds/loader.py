@@ -237,7 +237,6 @@ class BatchLoader:
         self.prefetch_bytes = None if prefetch_bytes is None else int(prefetch_bytes)
         self._epoch = 0
         self._position = 0  #: batches of the epoch handed out
-        self._reads = 0  #: batches read (or being read) so far, for the prefetch bound
 
     # ----------------------------------------------------------------- description
 
@@ -371,7 +370,6 @@ class BatchLoader:
 
     def _serial(self, plan: list[np.ndarray], start: int) -> Iterator[Any]:
         for i in range(start, len(plan)):
-            self._reads += 1
             batch = self._read_batch(plan[i])
             self._position = i + 1
             yield batch
@@ -763,7 +761,6 @@ class _Prefetcher:
                 if self._stopping.is_set():
                     return
                 try:
-                    self._loader._reads += 1
                     batch = self._loader._read_batch(samples)
                     _sync(self._gpu)
                 except BaseException as err:
