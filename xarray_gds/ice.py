@@ -297,16 +297,11 @@ def _build_table(store: Store, path: str) -> _Table | None:
     )
 
 
-def _session_store(store: Any) -> Any:
-    return store.store if isinstance(store, IcechunkReadStore) else store
-
-
-def _table(store: Any, path: str) -> _Table | None:
-    """The chunk table of an array: kept by an :class:`IcechunkReadStore` of a read-only
-    session, made again for each read of a writable one (its chunks change as it is
-    written)."""
-    session = _session_store(store)
-    if not isinstance(store, IcechunkReadStore) or not session.read_only:
+def _table(store: IcechunkReadStore, path: str) -> _Table | None:
+    """The chunk table of an array: kept by the engine's store of a read-only session,
+    made again for each read of a writable one (its chunks change as it is written)."""
+    session = store.store
+    if not session.read_only:
         return _build_table(session, path)
     with store._lock:
         if path not in store._tables:
@@ -339,11 +334,9 @@ class _Fallback(NamedTuple):
 Location = Reference | _Remote | _Fallback | None
 
 
-def _remote_store(store: IcechunkReadStore | None, base: str, options: dict[str, Any]) -> Any:
+def _remote_store(store: IcechunkReadStore, base: str, options: dict[str, Any]) -> Any:
     """The fsspec store of ``base`` (``s3://bucket/prefix``, ``https://host``), one a
     base for each engine store."""
-    if store is None:
-        return remote.open_url(base, options, read_only=False)
     with store._lock:
         found = store._remotes.get(base)
         if found is None:
@@ -351,16 +344,14 @@ def _remote_store(store: IcechunkReadStore | None, base: str, options: dict[str,
         return found
 
 
-def _virtual(
-    key: str, url: str, offset: int, size: int, store: IcechunkReadStore | None
-) -> Location:
+def _virtual(key: str, url: str, offset: int, size: int, store: IcechunkReadStore) -> Location:
     """The location of a virtual chunk at ``url``."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
         return Reference(key, rest if sep else url, offset, size)
     if scheme in ("s3", "s3a", "http", "https"):
         host, _, name = rest.partition("/")
-        options = store.storage.options if store is not None and scheme.startswith("s3") else {}
+        options = store.storage.options if scheme.startswith("s3") else {}
         base = f"{scheme}://{host}"
         return _Remote(key, _remote_store(store, base, options), name, offset, size, True)
     return _Fallback(key)
@@ -373,15 +364,15 @@ class IcechunkSource(Source):
     kind = "icechunk"
 
     def locate(self, keys: list[str]) -> list[Any]:
-        store = self.store if isinstance(self.store, IcechunkReadStore) else None
-        storage = store.storage if store is not None else ChunkStorage(None, why=_HINT)
+        store: IcechunkReadStore = self.store  # made by IcechunkReadStore.chunk_source
+        storage = store.storage
         by_array: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             by_array.setdefault(array_of(key), []).append(i)
         out: list[Location] = [None] * len(keys)
         for name, members in by_array.items():
             path = "" if name == "/" else name
-            table = _table(self.store, path)
+            table = _table(store, path)
             if table is None:
                 _fall_back(store, name, "Icechunk lists no chunks for it", out, keys, members)
                 continue
@@ -392,7 +383,7 @@ class IcechunkSource(Source):
     def _locate_array(
         table: _Table,
         storage: ChunkStorage,
-        store: IcechunkReadStore | None,
+        store: IcechunkReadStore,
         keys: list[str],
         members: list[int],
         out: list[Location],
@@ -462,7 +453,7 @@ class IcechunkSource(Source):
 
 
 def _fall_back(
-    store: IcechunkReadStore | None,
+    store: IcechunkReadStore,
     name: str,
     why: str,
     out: list[Location],
@@ -474,14 +465,12 @@ def _fall_back(
     _warn_fallback(store, name, why)
 
 
-def _warn_fallback(store: IcechunkReadStore | None, array: str, why: str) -> None:
-    """One warning an array and reason for each engine store (each read of a bare
-    session store)."""
-    if store is not None:
-        with store._lock:
-            if (array, why) in store._warned:
-                return
-            store._warned.add((array, why))
+def _warn_fallback(store: IcechunkReadStore, array: str, why: str) -> None:
+    """One warning an array and reason for each engine store."""
+    with store._lock:
+        if (array, why) in store._warned:
+            return
+        store._warned.add((array, why))
     warn(
         f"xarray-gds: chunks of Icechunk array {array!r} are read through "
         f"IcechunkStore.get (host memory first): {why}",
@@ -536,7 +525,7 @@ def _read(
     if groups["store"]:
         idx = np.asarray(groups["store"], dtype=np.int64)
         keys = [locations[i].key for i in groups["store"]]
-        stores = [StoreSource(_session_store(sources[i].store)) for i in groups["store"]]
+        stores = [StoreSource(sources[i].store.store) for i in groups["store"]]
         if ranges is None:
             got = StoreSource.read_all(stores, keys, on_device, None)
         else:
