@@ -166,7 +166,7 @@ def shuffle(data: Any, typesize: int, blocksize: int, mode: int, *, xp: Any = np
     n, nbytes = data.shape
     if mode == 0 or (mode == 1 and typesize == 1) or nbytes == 0:
         return data
-    out = data.copy()
+    out = xp.empty_like(data)  # every span is written below
     nfull = nbytes // blocksize
     for start, stop, size in ((0, nfull * blocksize, blocksize), (nfull * blocksize, nbytes, 0)):
         size = size or stop - start
@@ -174,7 +174,8 @@ def shuffle(data: Any, typesize: int, blocksize: int, mode: int, *, xp: Any = np
             continue
         blocks = data[:, start:stop].reshape(-1, size)
         done = _shuffle_blocks(blocks, typesize, mode, xp)
-        if done is None:
+        if done is None:  # blocks c-blosc stores as they are
+            out[:, start:stop] = data[:, start:stop]
             continue
         if done.shape[1] < size:
             blocks = blocks.copy()
