@@ -308,3 +308,19 @@ def open_both(path: Any, device: str, **kwargs: Any) -> tuple[xr.Dataset, xr.Dat
 
 
 __all__ = ["assert_placed", "open_both", "sample_dataset", "to_numpy", "write_store", "zarr"]
+
+
+@pytest.fixture
+def joined_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The number of reads in each joined call (coalesce.fetch_decode_many)."""
+    from xarray_gds import coalesce
+
+    calls: list[int] = []
+    original = coalesce.fetch_decode_many
+
+    def spy(items: list[Any]) -> Any:
+        calls.append(len(items))
+        return original(items)
+
+    monkeypatch.setattr(coalesce, "fetch_decode_many", spy)
+    yield calls

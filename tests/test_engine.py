@@ -7,7 +7,7 @@ import asyncio
 import json
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +33,6 @@ STORE_CASES = [(3, "zstd"), (2, "zstd"), (3, "sharded"), (2, "blosc"), (3, "gzip
 def store(request: pytest.FixtureRequest, store_factory: Callable[[int, str], Path]) -> Path:
     zarr_format, codec = request.param
     return store_factory(zarr_format, codec)
-
-
-@pytest.fixture
-def joined_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The number of reads in each joined call (coalesce.fetch_decode_many)."""
-    calls: list[int] = []
-    original = coalesce.fetch_decode_many
-
-    def spy(items: list[Any]) -> Any:
-        calls.append(len(items))
-        return original(items)
-
-    monkeypatch.setattr(coalesce, "fetch_decode_many", spy)
-    yield calls
 
 
 def _open(path: Path, device: str, **kwargs: Any) -> tuple[xr.Dataset, xr.Dataset]:

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from xarray_gds import BatchLoader, coalesce
+from xarray_gds import BatchLoader
 from xarray_gds.device import to_host
 
 NT, NY, NX = 23, 6, 7
@@ -276,17 +276,10 @@ def test_to_a_dlpack_consumer_shares_memory(store: Path) -> None:
     assert np.shares_memory(batch, given[0])
 
 
-def test_a_batch_is_one_engine_batch(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_is_one_engine_batch(store: Path, joined_calls: list[int]) -> None:
     """The pieces of a batch (samples x variables x offsets) go to the read engine in
     one call, not one read a piece."""
-    calls: list[int] = []
-    real = coalesce.fetch_decode_many
-
-    def spy(requests: list[Any]) -> Any:
-        calls.append(len(requests))
-        return real(requests)
-
-    monkeypatch.setattr(coalesce, "fetch_decode_many", spy)
+    calls = joined_calls
     loader = BatchLoader(
         _gds(store), variables=THREE, batch_size=6, windows={"a": 0, "b": 1}, prefetch=0
     )
