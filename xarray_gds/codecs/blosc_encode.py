@@ -209,11 +209,6 @@ class FrameLayout:
     def nblocks(self) -> int:
         return int(self.bstart.shape[1])
 
-    def block_bytes(self) -> np.ndarray:
-        """Decoded bytes of each block ``(nblocks,)``."""
-        b = np.arange(self.nblocks, dtype=np.int64) * self.blocksize
-        return np.minimum(self.blocksize, self.nbytes - b)
-
     def payloads(self) -> np.ndarray:
         """Where the payload of every block starts in the output ``(n, nblocks)`` (past
         its size prefix and, for zlib, its header)."""
