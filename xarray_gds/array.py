@@ -183,7 +183,11 @@ def read_boxes(
     for gpu, which in by_gpu.items():
         dests = None if into is None else [into[i] for i in which]
         with _device.on_gpu(gpu):
-            got = _read_boxes_here([items[i] for i in which], dests)
+            got = (
+                _read_boxes_here([items[i] for i in which])
+                if dests is None
+                else _read_boxes_here([items[i] for i in which], dests)
+            )
         for i, value in zip(which, got, strict=True):
             out[i] = value
     return out
