@@ -630,6 +630,22 @@ def test_bench_usage_sharded_shards_case(
     assert "| usage-sharded-shards |" in out and "| gds-zarr |" in out and "| zarr |" in out
 
 
+@pytest.mark.gpu
+def test_bench_usage_eager_has_decode_only_and_split_contenders(tmp_path: Path) -> None:
+    """The decode ceiling (one nvCOMP call over chunks already on the device) and the
+    GPU/host split are timed beside the engine in the same case."""
+    from xarray_gds.tools import bench
+
+    (result,) = bench.run(tmp_path, size_gb=0.02, repeat=1, cases=["usage-eager-2var"])
+    assert set(result.seconds) == {
+        "gds-zarr",
+        "gds-zarr, split=auto",
+        "zarr",
+        "raw-limit",
+        "decode-only",
+    }
+
+
 def test_bench_s3_server_is_a_loopback_process_of_its_own() -> None:
     """The remote case's moto server runs in a process of its own on 127.0.0.1 (not in
     the measured client's), answering S3 calls."""
