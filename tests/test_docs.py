@@ -1,8 +1,11 @@
-"""The user docs stay true: the home page's quick start runs as written, and the
-performance page's chart and table are the committed benchmark data's."""
+"""The user docs stay true: the home page's quick start runs as written, what the
+examples import exists, and the performance page's chart and table are the committed
+benchmark data's."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import re
 import runpy
@@ -50,6 +53,36 @@ def test_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     values = day1.data if isinstance(day1.data, np.ndarray) else day1.data.get()
     np.testing.assert_array_equal(values, names["t2m"][:24])
     assert names["tree"]["t2m"].shape == (48, 181, 360)
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """Every ```python block of README.md and docs/, with the page it is on."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [
+        (page.name, match.group(1))
+        for page in pages
+        for match in re.finditer(r"```python\n(.*?)```", page.read_text(), re.S)
+    ]
+
+
+def test_what_the_examples_import_exists() -> None:
+    blocks = python_blocks()
+    assert len(blocks) > 20
+    missing = []
+    for page, code in blocks:
+        for node in ast.walk(ast.parse(code)):  # every block is Python as written
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xarray_gds"):
+                module = importlib.import_module(str(node.module))
+                missing += [
+                    f"{page}: from {node.module} import {alias.name}"
+                    for alias in node.names
+                    if not hasattr(module, alias.name)
+                ]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("xarray_gds"):
+                        importlib.import_module(alias.name)
+    assert missing == []
 
 
 def test_bench_chart_matches_its_data() -> None:
