@@ -696,6 +696,137 @@ def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) ->
     assert zarr.open_group(tmp_path / "s0.zarr", mode="r").metadata.consolidated_metadata
 
 
+def test_bench_skips_cases_whose_packages_are_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A case whose packages are not installed is skipped with a line naming them and
+    the extra that brings them; the other cases run."""
+    from xarray_gds.tools import bench
+
+    absent = {"netCDF4", "virtualizarr"}
+    monkeypatch.setattr(bench, "_installed", lambda package: package not in absent)
+    cases = ["host-netcdf-refs", "host-icechunk-virtual", "host-zstd-4MB"]
+    argv = ["bench", *(a for c in cases for a in ("--case", c)), "--size-gb", "0.01"]
+    assert cli.main([*argv, "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if ": skipped: " in line] == [
+        'host-netcdf-refs: skipped: needs netCDF4 (the test extra: pip install ".[test]" '
+        "in a checkout)",
+        "host-icechunk-virtual: skipped: needs netCDF4, virtualizarr (the test and "
+        'virtual extras: pip install ".[test,virtual]" in a checkout)',
+    ]
+    assert sum(line.startswith("| host-zstd-4MB | ") for line in lines) == 4  # row, all
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_skips_a_case_on_an_import_it_does_not_declare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xarray_gds.tools import bench
+
+    def contenders(path: Path) -> dict[str, Any]:
+        raise ModuleNotFoundError("No module named 'obspec_utils'", name="obspec_utils.registry")
+
+    case = {"gpu": False, "scale": 1.0, "store": {"chunk_bytes": 64 << 10}}
+    monkeypatch.setitem(bench.CASES, "fake", {**case, "contenders": contenders})
+    argv = ["bench", "--case", "fake", "--size-gb", "0.001", "--dir", str(tmp_path)]
+    assert cli.main(argv) == 1  # nothing that was asked for ran
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1] == (
+        'fake: skipped: needs obspec_utils (the virtual extra: pip install ".[virtual]" '
+        "in a checkout)"
+    )
+    assert "all cases" not in captured.out
+    assert (
+        captured.err
+        == "xarray-gds bench: error: none of the cases asked for ran (see the lines above)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_gpu_cases_without_a_gpu_say_so_and_fail(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(xarray_gds.device, "cuda_status", lambda: (False, "no GPU in this test"))
+    assert cli.main(["bench", "--case", "zstd-4MB", "--case", "usage-chunks-2var"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        "no GPU (no GPU in this test): the cases that need one are skipped",
+        "zstd-4MB: skipped: needs a GPU",
+        "usage-chunks-2var: skipped: needs a GPU",
+    ]
+    assert "none of the cases asked for ran" in captured.err
+
+
+def test_bench_prints_one_line_per_distinct_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xarray_gds.tools import bench
+
+    def contenders(path: Path) -> dict[str, Any]:
+        def ours() -> None:
+            for _ in range(50):
+                warnings.warn("the same warning", UserWarning, stacklevel=1)
+
+        return {"gds-zarr": ours, "zarr": lambda: warnings.warn("another", RuntimeWarning)}
+
+    case = {"gpu": False, "scale": 1.0, "store": {"chunk_bytes": 64 << 10}}
+    monkeypatch.setitem(bench.CASES, "fake", {**case, "contenders": contenders})
+    argv = ["bench", "--case", "fake", "--size-gb", "0.001", "--repeat", "2"]
+    assert cli.main([*argv, "--dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    at = out.index("warnings (count, category: message):")
+    # each contender runs three times: the warm-up and two timed runs
+    assert out[at + 1 :] == [
+        "  150 x UserWarning: the same warning",
+        "  3 x RuntimeWarning: another",
+    ]
+    assert captured.err == ""
+
+
+def test_bench_append_case_writes_times_without_warnings(tmp_path: Path) -> None:
+    """The append case gives its hourly times units of hours: xarray has nothing to
+    warn about at each append."""
+    from xarray_gds.tools import bench_write
+
+    path = bench_write.make_append(tmp_path / "a.zarr", 1 << 20)
+    contenders = bench_write.append_contenders(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for write in contenders.values():
+            write()
+            written = xr.open_dataset(tmp_path / "a-written.zarr", engine="zarr")
+            xr.testing.assert_identical(written.time, xr.open_dataset(path, engine="zarr").time)
+    assert [str(w.message) for w in caught if "serialized" in str(w.message)] == []
+
+
+def test_bench_icechunk_logs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Icechunk's warnings about local storage (Rust log lines on stderr) stay out of the
+    benchmark's output."""
+    pytest.importorskip("icechunk")
+    from xarray_gds.tools import bench, bench_icechunk
+
+    monkeypatch.delenv("ICECHUNK_LOG", raising=False)
+    store = bench.make_store(tmp_path / "s.zarr", 1 << 20, 256 << 10)
+    capfd.readouterr()
+    bench_icechunk.to_repository(store)
+    assert capfd.readouterr().err == ""
+
+
+def test_bench_help_lists_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    from xarray_gds.tools import bench
+
+    assert cli.main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out.split("runs only when named with --case):\n")[1]
+    names = [n.strip().removesuffix("*").removesuffix(" (GPU)") for n in listed.split(",")]
+    assert names == list(bench.CASES)
+    assert "zstd-4MB (GPU)" in listed and "host-zstd-4MB," in listed
+    assert "loader-4x4*" in listed and "multi-gpu-mfdataset*" in listed
+
+
 def test_bench_unknown_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--case", "nope"]) == 2
     assert "nope" in capsys.readouterr().err

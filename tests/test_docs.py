@@ -85,6 +85,17 @@ def test_what_the_examples_import_exists() -> None:
     assert missing == []
 
 
+def test_the_case_table_names_every_bench_case() -> None:
+    from xarray_gds.tools.bench import CASES
+
+    page = (DOCS / "performance.md").read_text()
+    table = page[page.index("### Cases") :]
+    table = table[: table.index("\n## ")]
+    rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `")]
+    named = [name for row in rows for name in re.findall(r"`([^`]+)`", row)]
+    assert sorted(named) == sorted(CASES)
+
+
 def test_bench_chart_matches_its_data() -> None:
     # the committed image is what the script draws from the committed JSON, byte for
     # byte: regenerate both with `python scripts/plot_bench.py` after a new run

@@ -8,6 +8,9 @@ read once before timing).
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -37,7 +40,40 @@ from xarray_gds.tools import (
 )
 from xarray_gds.tools._stores import write_blocks
 
-__all__ = ["CASES", "Result", "make_store", "run"]
+__all__ = [
+    "CASES",
+    "EXTRAS",
+    "Result",
+    "WarningTally",
+    "make_store",
+    "missing",
+    "run",
+    "skip_reason",
+]
+
+#: the extra of pyproject.toml that installs each optional package a case imports
+EXTRAS = {
+    "dask": "test",
+    "distributed": "test",
+    "netCDF4": "test",
+    "h5netcdf": "test",
+    "h5py": "test",
+    "kerchunk": "test",
+    "icechunk": "test",
+    "s3fs": "test",
+    "moto": "test",
+    "boto3": "test",
+    "virtualizarr": "virtual",
+    "obspec_utils": "virtual",
+    "obstore": "virtual",
+}
+
+# the optional packages (import names) of the cases, their "needs"
+_DASK = ("dask",)
+_REFS = ("netCDF4", "h5netcdf", "h5py", "kerchunk")
+_ICECHUNK = ("icechunk", "dask")
+_VIRTUAL = ("icechunk", *_REFS, "virtualizarr", "obspec_utils", "obstore")
+_S3 = ("s3fs", "moto", "boto3")
 
 
 @dataclass
@@ -118,6 +154,66 @@ def make_store(
             yield ds
 
     return write_blocks(path, blocks(), {name: enc for name in names}, zarr_format)
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def missing(name: str) -> list[str]:
+    """The packages case ``name`` imports that are not installed (import names)."""
+    return [p for p in CASES[name].get("needs", ()) if not _installed(p)]
+
+
+def install_hint(packages: list[str]) -> str:
+    """How to install ``packages``: the extras of a checkout that bring them, and pip
+    for the others."""
+    extras = sorted({EXTRAS[p] for p in packages if p in EXTRAS})
+    others = [p for p in packages if p not in EXTRAS]
+    hints = []
+    if extras:
+        which = " and ".join(extras) + (" extras" if len(extras) > 1 else " extra")
+        hints.append(f'the {which}: pip install ".[{",".join(extras)}]" in a checkout')
+    if others:
+        hints.append("pip install " + " ".join(others))
+    return "; ".join(hints)
+
+
+def skip_reason(name: str, cuda: bool) -> str | None:
+    """Why case ``name`` cannot run here (no GPU, or packages missing), or None."""
+    if CASES[name]["gpu"] and not cuda:
+        return "needs a GPU"
+    absent = missing(name)
+    if absent:
+        return f"needs {', '.join(absent)} ({install_hint(absent)})"
+    return None
+
+
+class WarningTally:
+    """The warnings a benchmark run raised, counted by category and message: a run
+    prints one line per distinct warning instead of every one."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[None]:
+        """Every warning raised inside the block is counted, none shown."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                for w in caught:
+                    message = str(w.message).strip().splitlines()[0] if str(w.message) else ""
+                    self.counts[(w.category.__name__, message)] += 1
+
+    def lines(self) -> list[str]:
+        """``COUNT x Category: message`` per distinct warning, most frequent first."""
+        return [
+            f"{n} x {category}: {message}"
+            for (category, message), n in sorted(self.counts.items(), key=lambda i: -i[1])
+        ]
 
 
 def _time(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> float:
@@ -506,44 +602,73 @@ def run(
     cases: list[str] | None = None,
     on_result: Callable[[Result], None] | None = None,
     profile_dir: Path | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
+    tally: WarningTally | None = None,
 ) -> list[Result]:
     """Run the benchmark cases; see ``CASES`` for names.
 
     ``on_result`` is called with each case's result as soon as it is measured. With
     ``profile_dir``, each contender runs once more under cProfile (after its timed
     runs, so the timings are unaffected) and its profile is written there as
-    ``CASE.CONTENDER.txt``.
+    ``CASE.CONTENDER.txt``. A case that cannot run here (one that needs a GPU on a
+    machine without one, or packages that are not installed) is skipped:
+    ``on_skip`` is called with its name and the reason, and the others run. The
+    warnings of the cases are counted in ``tally`` (a new one when None), not shown.
     """
     cuda, _ = _device.cuda_status()
+    tally = WarningTally() if tally is None else tally
     tmp = Path(tempfile.mkdtemp(prefix="xarray-gds-bench-", dir=workdir))
     results: list[Result] = []
     try:
         for name in cases or list(CASES):
             spec = CASES[name]
-            if (spec["gpu"] and not cuda) or (spec.get("named_only") and not cases):
+            if spec.get("named_only") and not cases:
                 continue
-            make = spec.get("make", make_store)  # a case may write its own kind of store
-            path = make(tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"])
-            n_stores = spec.get("stores", 1)
-            target: Any = _copies(path, n_stores) if n_stores > 1 else path
-            contenders = spec["contenders"](target)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                warnings.simplefilter("ignore", FutureWarning)
-                rep = spec.get("repeat", repeat)
-                warm_all = spec.get("warm_all", True)
-                results.append(_case(name, path, rep, contenders, warm_all, n_stores, profile_dir))
-                if "note" in spec:
-                    results[-1].note = spec["note"](results[-1])
-                if "parts" in spec:  # a loop over part of the store: the bytes it reads
-                    results[-1].nbytes = int(results[-1].nbytes * spec["parts"])
-            if on_result is not None:
-                on_result(results[-1])
-            for p in [*_mf_paths(path, n_stores), path.with_name(f"{path.stem}-written.zarr")]:
-                shutil.rmtree(p, ignore_errors=True)
+            why = skip_reason(name, cuda)
+            if why is None:
+                try:
+                    with tally.record():
+                        result = _run_case(name, spec, tmp, size_gb, repeat, profile_dir)
+                except ModuleNotFoundError as err:  # one the case's "needs" does not list
+                    if not err.name:
+                        raise
+                    package = err.name.split(".")[0]
+                    why = f"needs {package} ({install_hint([package])})"
+                else:
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(result)
+                finally:
+                    for p in tmp.iterdir():
+                        shutil.rmtree(p, ignore_errors=True)
+            if why is not None and on_skip is not None:
+                on_skip(name, why)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _run_case(
+    name: str,
+    spec: dict[str, Any],
+    tmp: Path,
+    size_gb: float,
+    repeat: int,
+    profile_dir: Path | None,
+) -> Result:
+    make = spec.get("make", make_store)  # a case may write its own kind of store
+    path = make(tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"])
+    n_stores = spec.get("stores", 1)
+    target: Any = _copies(path, n_stores) if n_stores > 1 else path
+    contenders = spec["contenders"](target)
+    rep = spec.get("repeat", repeat)
+    warm_all = spec.get("warm_all", True)
+    result = _case(name, path, rep, contenders, warm_all, n_stores, profile_dir)
+    if "note" in spec:
+        result.note = spec["note"](result)
+    if "parts" in spec:  # a loop over part of the store: the bytes it reads
+        result.nbytes = int(result.nbytes * spec["parts"])
+    return result
 
 
 def _remote_contenders(path: Path) -> dict[str, Callable[[], Any]]:
@@ -637,6 +762,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "mfdataset-50": {
         "gpu": True,
+        "needs": _DASK,
         "scale": 0.02,  # per store: 50 stores of 40 MB for --size-gb 2
         "stores": 50,
         "store": {"chunk_bytes": 256 << 10},
@@ -652,6 +778,7 @@ CASES: dict[str, dict[str, Any]] = {
     # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.tools.bench_cluster)
     "multi-gpu-mfdataset": {
         "gpu": False,  # on the host: a smoke test of the case
+        "needs": ("dask", "distributed"),
         "named_only": True,  # clusters of every GPU count: run only with --case
         "scale": 1 / 64,  # per store: 64 stores (8 a GPU on 8) of --size-gb in all
         "stores": 64,
@@ -669,6 +796,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "usage-chunks-2var": {
         "gpu": True,
+        "needs": _DASK,
         "scale": 1.0,
         "store": {"chunk_bytes": 4 << 20, "variables": 2},
         "contenders": _usage("chunks"),
@@ -701,6 +829,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "usage-sharded-chunks": {
         "gpu": True,
+        "needs": _DASK,
         "scale": 0.25,  # engine="zarr" takes about 18 s a GB here
         "repeat": 1,
         "store": {"chunk_bytes": 144 << 10, "shard_bytes": 6 << 20},
@@ -708,6 +837,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "usage-sharded-shards": {
         "gpu": True,
+        "needs": _DASK,
         "scale": 0.25,
         "repeat": 1,
         "store": {"chunk_bytes": 144 << 10, "shard_bytes": 6 << 20},
@@ -715,6 +845,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "usage-blosc-chunks": {
         "gpu": True,
+        "needs": _DASK,
         "scale": 1.0,
         "store": {"chunk_bytes": 4 << 20, "zarr_format": 2, "compressor": "blosc"},
         "contenders": _usage("chunks"),
@@ -747,6 +878,7 @@ CASES: dict[str, dict[str, Any]] = {
     # issue 17: a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
     "remote-s3-zstd-4MB": {
         "gpu": True,
+        "needs": _S3,
         "scale": 1.0,
         "repeat": 1,
         "store": {"chunk_bytes": 4 << 20},
@@ -759,6 +891,7 @@ CASES: dict[str, dict[str, Any]] = {
     # issue 18: a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
     "netcdf-refs": {
         "gpu": True,
+        "needs": _REFS,
         "scale": 1.0,
         "repeat": 1,
         "store": {"chunk_bytes": 4 << 20},
@@ -767,6 +900,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "netcdf-refs-1MiB": {  # the same with 1 MiB chunks (nvCOMP deflate: per-chunk bound)
         "gpu": True,
+        "needs": _REFS,
         "scale": 1.0,
         "repeat": 1,
         "store": {"chunk_bytes": 1 << 20},
@@ -775,6 +909,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "host-netcdf-refs": {
         "gpu": False,
+        "needs": _REFS,
         "repeat": 1,
         "scale": 0.02,
         "store": {"chunk_bytes": 4 << 20},
@@ -784,6 +919,7 @@ CASES: dict[str, dict[str, Any]] = {
     # issue 32: Icechunk repositories (local filesystem storage; virtual references)
     "icechunk-2var": {
         "gpu": True,
+        "needs": _ICECHUNK,
         "scale": 1.0,
         "repeat": 1,
         "store": {"chunk_bytes": 4 << 20, "variables": 2},
@@ -792,6 +928,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "icechunk-virtual": {
         "gpu": True,
+        "needs": _VIRTUAL,
         "scale": 1.0,
         "repeat": 1,
         "store": {"chunk_bytes": 4 << 20},
@@ -800,6 +937,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "host-icechunk-2var": {
         "gpu": False,
+        "needs": _ICECHUNK,
         "repeat": 1,
         "scale": 0.02,
         "store": {"chunk_bytes": 4 << 20, "variables": 2},
@@ -808,6 +946,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "host-icechunk-virtual": {
         "gpu": False,
+        "needs": _VIRTUAL,
         "repeat": 1,
         "scale": 0.02,
         "store": {"chunk_bytes": 4 << 20},

@@ -527,10 +527,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     ok, reason = _device.cuda_status()
     if not ok:
-        print(f"no GPU ({reason}): running the host cases only")
+        print(f"no GPU ({reason}): the cases that need one are skipped")
     profile_dir = Path(args.profile) if args.profile else None
     if profile_dir is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
+    tally = bench.WarningTally()
     results = bench.run(
         workdir=Path(args.dir) if args.dir else None,
         size_gb=args.size_gb,
@@ -538,18 +539,45 @@ def _run_bench(args: argparse.Namespace) -> int:
         cases=cases,
         on_result=lambda r: print(bench.format_table([r]), flush=True),
         profile_dir=profile_dir,
+        on_skip=lambda name, why: print(f"{name}: skipped: {why}", flush=True),
+        tally=tally,
     )
-    print("\nall cases:")
-    print(bench.format_table(results))
+    if results:
+        print("\nall cases:")
+        print(bench.format_table(results))
+    if tally.counts:
+        print("\nwarnings (count, category: message):")
+        for line in tally.lines():
+            print(f"  {line}")
     if args.json:
         bench.dump(results, Path(args.json))
         print(f"results written to {args.json}")
+    if not results:
+        _text.error("bench", "none of the cases asked for ran (see the lines above)")
+        return 1
     return 0
 
 
 # --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
+
+
+def _bench_cases() -> str:
+    """The bench cases, for ``bench --help``: those that need a GPU marked "(GPU)", those
+    that run only when named "*"."""
+    import textwrap
+
+    from xarray_gds.tools.bench import CASES
+
+    names = ", ".join(
+        name + (" (GPU)" if spec["gpu"] else "") + ("*" if spec.get("named_only") else "")
+        for name, spec in CASES.items()
+    )
+    text = textwrap.fill(
+        names, width=88, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
+    )
+    return f"cases ((GPU): needs a GPU; *: runs only when named with --case):\n{text}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -626,15 +654,24 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="time open + load against engine='zarr' (ratios measured in one run)",
-        description="Write benchmark stores, then time open + load of each with "
-        "engine='gds-zarr', engine='zarr' (+ cupy.asarray on the GPU) and, for the "
-        "zstd case, the raw kvikio + nvCOMP limit. Prints GB/s and ratios.",
+        description="Write benchmark stores, then time open + load of each with\n"
+        "engine='gds-zarr', engine='zarr' (+ cupy.asarray on the GPU) and, for the\n"
+        "zstd case, the raw kvikio + nvCOMP limit. Prints GB/s and ratios. A case that\n"
+        "cannot run here (no GPU, packages missing) is skipped with a line saying why.",
+        epilog=_bench_cases(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--size-gb", type=float, default=2.0, help="store size (default 2)")
     bench.add_argument(
         "--repeat", type=_positive_int, default=3, help="timed runs, best kept (1 or more)"
     )
-    bench.add_argument("--case", action="append", help="run only this case (repeatable)")
+    bench.add_argument(
+        "--case",
+        action="append",
+        metavar="CASE",
+        help="run only this case (repeatable; the cases are listed below); without it, "
+        "every case this machine can run, except those that run only when named",
+    )
     bench.add_argument("--dir", help="where to write the stores (default: a temp dir)")
     bench.add_argument("--json", help="also write the results as JSON to this file")
     bench.add_argument(
