@@ -768,7 +768,10 @@ def test_bench_prints_one_line_per_distinct_warning(
             for _ in range(50):
                 warnings.warn("the same warning", UserWarning, stacklevel=1)
 
-        return {"gds-zarr": ours, "zarr": lambda: warnings.warn("another", RuntimeWarning)}
+        def theirs() -> None:
+            warnings.warn("another", RuntimeWarning, stacklevel=1)
+
+        return {"gds-zarr": ours, "zarr": theirs}
 
     case = {"gpu": False, "scale": 1.0, "store": {"chunk_bytes": 64 << 10}}
     monkeypatch.setitem(bench.CASES, "fake", {**case, "contenders": contenders})
