@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,9 +71,14 @@ def test_reason_names_the_extra_when_cupy_is_missing(monkeypatch: pytest.MonkeyP
     try:
         ok, reason = cuda_status()
         assert not ok
-        assert "xarray-gds[cuda13]" in reason and "xarray-gds[cuda12]" in reason
-        with pytest.raises(ImportError, match=r"xarray-gds\[cuda13\]"):
+        assert reason.endswith(
+            "; install the CUDA extra matching your driver from a checkout of xarray-gds: "
+            '`pip install ".[cuda13]"` (CUDA 13) or `pip install ".[cuda12]"` (CUDA 12), '
+            "as the README's Install section says"
+        )
+        with pytest.raises(ImportError) as raised:
             device.cupy()
+        assert str(raised.value).endswith(f"; {device.INSTALL_HINT}.")
     finally:
         cuda_status.cache_clear()
 
@@ -258,3 +264,14 @@ def test_big_endian_v2_arrays(tmp_path: Path, device: str) -> None:
     ref = xr.open_dataset(path, engine="zarr").load()
     xr.testing.assert_identical(got.as_numpy(), ref)
     assert got.x.dtype.isnative
+
+
+def test_missing_nvcomp_names_the_install_from_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xarray_gds.codecs import nvcomp
+
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # import nvidia fails
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", None)
+    with pytest.raises(ImportError) as raised:
+        nvcomp._nvcomp()
+    assert str(raised.value).endswith(f"; {device.INSTALL_HINT}")
+    assert '`pip install ".[cuda13]"`' in device.INSTALL_HINT

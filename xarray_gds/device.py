@@ -21,10 +21,11 @@ from xarray_gds.errors import HostRouteWarning, warn
 
 Device = Literal["cuda", "cpu"]
 
-_INSTALL_HINT = (
-    "install the CUDA extra matching your driver, e.g. "
-    "`pip install 'xarray-gds[cuda13]'` (CUDA 13) or `pip install 'xarray-gds[cuda12]'` "
-    "(CUDA 12)"
+#: xarray-gds is installed from a checkout (the README's Install section)
+INSTALL_HINT = (
+    "install the CUDA extra matching your driver from a checkout of xarray-gds: "
+    '`pip install ".[cuda13]"` (CUDA 13) or `pip install ".[cuda12]"` (CUDA 12), '
+    "as the README's Install section says"
 )
 
 
@@ -38,7 +39,7 @@ def _import(name: str, purpose: str) -> ModuleType:
     except ImportError as err:
         raise ImportError(
             f"xarray-gds needs the `{name}` package {purpose}, but it could not be "
-            f"imported ({err}); {_INSTALL_HINT}."
+            f"imported ({err}); {INSTALL_HINT}."
         ) from err
 
 
@@ -98,7 +99,7 @@ def cuda_status() -> tuple[bool, str]:
     try:
         cp = importlib.import_module("cupy")
     except ImportError as err:
-        return False, f"CuPy is not installed ({err}); {_INSTALL_HINT}"
+        return False, f"CuPy is not installed ({err}); {INSTALL_HINT}"
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as err:  # CUDARuntimeError: no driver, no device
@@ -108,7 +109,7 @@ def cuda_status() -> tuple[bool, str]:
     try:
         importlib.import_module("kvikio")
     except ImportError as err:
-        return False, f"kvikio is not installed ({err}); {_INSTALL_HINT}"
+        return False, f"kvikio is not installed ({err}); {INSTALL_HINT}"
     return True, ""
 
 

@@ -41,7 +41,7 @@ def _nvcomp() -> Any:
     except ImportError as err:
         raise ImportError(
             "xarray-gds decodes on the GPU with NVIDIA nvCOMP, which could not be imported "
-            f"({err}); install 'xarray-gds[cuda13]' or 'xarray-gds[cuda12]'"
+            f"({err}); {_device.INSTALL_HINT}"
         ) from err
     return nvcomp
 

@@ -44,7 +44,7 @@ _LIBDEFLATE_MAX = (1 << 32) - 1
 @functools.cache
 def libdeflate() -> Any | None:
     """The ``deflate`` package (libdeflate's bindings), or None when it is not
-    installed (``pip install xarray-gds[fast-host]``); looked for once
+    installed (``pip install ".[fast-host]"`` in a checkout); looked for once
     (``libdeflate.cache_clear()`` looks again)."""
     try:
         import deflate
