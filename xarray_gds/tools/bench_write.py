@@ -101,7 +101,7 @@ def append_contenders(path: Path) -> dict[str, Callable[[], Any]]:
     ds = _load(path)
     steps = [ds.isel(time=[k]) for k in range(ds.sizes["time"])]
     encoding: dict[str, dict[str, Any]] = {
-        v: {"chunks": steps[0][v].shape, "compressors": [zc.ZstdCodec()]} for v in ds
+        str(v): {"chunks": steps[0][v].shape, "compressors": [zc.ZstdCodec()]} for v in ds
     }
     # the steps are an hour apart: units of hours, which xarray would otherwise choose
     # from the first step (days) and then warn at every append that it cannot use
