@@ -201,6 +201,42 @@ def test_missing_group_names_existing_groups(tree_store: Path) -> None:
     assert "'/surface'" in str(err.value) and "'/surface/extra'" in str(err.value)
 
 
+def _opened_with_warnings(
+    source: Any, engine: str, **kwargs: Any
+) -> tuple[xr.Dataset, list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = xr.open_dataset(source, engine=engine, **kwargs).load()
+    consolidation = [w for w in caught if "consolidated" in str(w.message).lower()]
+    return ds, consolidation
+
+
+@pytest.mark.parametrize("consolidated", [True, False])
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_subgroups_take_the_roots_consolidated_metadata_as_with_zarr(
+    tmp_path: Path, zarr_format: int, consolidated: bool
+) -> None:
+    """A subgroup of a store whose root holds consolidated metadata (listing it) opens
+    without a warning, as with engine="zarr"; a store without any warns with both."""
+    path = tmp_path / "tree.zarr"
+    base = sample_dataset()
+    tree = xr.DataTree.from_dict(
+        {"/": base[["t2m"]], "/surface": base[["u10"]], "/surface/extra": base[["qc"]]}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr: consolidated metadata is not in the v3 spec
+        tree.to_zarr(path, zarr_format=zarr_format, consolidated=consolidated)
+    root = zarr.open_group(path, mode="r")
+    for group in ("surface", "surface/extra", "/surface"):
+        ref, ref_warned = _opened_with_warnings(path, "zarr", group=group)
+        for source, kwargs in ((path, {"group": group}), (root[group.strip("/")], {})):
+            gds, warned = _opened_with_warnings(source, "gds-zarr", device="cpu", **kwargs)
+            xr.testing.assert_identical(gds, ref)
+            assert len(warned) == len(ref_warned) == (0 if consolidated else 1)
+            if not consolidated:
+                assert warned[0].category is xarray_gds.errors.ConsolidatedMetadataWarning
+
+
 def test_missing_path_raises_file_not_found(tmp_path: Path) -> None:
     missing = tmp_path / "missing.zarr"
     with pytest.raises(FileNotFoundError, match=str(missing)):

@@ -343,6 +343,27 @@ def test_info_group_and_root_array(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "(none recorded)" in sections(out)["/"]
 
 
+@pytest.mark.parametrize("consolidated", [True, False])
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_info_group_consolidated_by_the_root(
+    tmp_path: Path, zarr_format: int, consolidated: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group listed in the consolidated metadata of the store's root reads with it."""
+    path = tmp_path / "tree.zarr"
+    values = xr.Dataset({"t": ("x", np.arange(4.0))})
+    tree = xr.DataTree.from_dict({"/surface": values, "/surface/deep": values})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr: consolidated metadata is not in the v3 spec
+        tree.to_zarr(path, zarr_format=zarr_format, consolidated=consolidated)
+    want = "yes" if consolidated else "no"
+    for group in ("surface", "surface/deep"):
+        argv = ["info", str(path), "--group", group, "--device", "cpu"]
+        assert cli.main(argv) == 0
+        assert f"\nconsolidated: {want}\n" in capsys.readouterr().out
+        assert cli.main([*argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["consolidated"] is consolidated
+
+
 def test_info_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "missing.zarr"
     assert cli.main(["info", str(missing)]) == 1  # a failure, not a usage error

@@ -207,17 +207,28 @@ def _group_paths(store: Store, zarr_format: int | None) -> list[str]:
     return ["/", *sorted("/" + path for path in groups)]
 
 
+def consolidated_at_root(store: Store, group: str | None, zarr_format: int | None) -> bool:
+    """Whether the store's root holds consolidated metadata that lists ``group`` (the
+    root itself when ``group`` is empty or "/"): the metadata xarray's engine="zarr"
+    reads a group from, whichever group is asked for."""
+    try:
+        root = zarr.open_consolidated(store, mode="r", path="", zarr_format=zarr_format)
+    except Exception:  # no consolidated metadata at the root (ValueError), or no root
+        return False
+    listed = root.metadata.consolidated_metadata
+    path = (group or "").strip("/")
+    return listed is not None and (not path or path in listed.flattened_metadata)
+
+
 def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> bool | None:
     """Whether the group has consolidated metadata (``consolidated=None``), as xarray
-    decides it, but warning at the user's line in the package's own category (xarray's
-    warning would point into this module). None: the group does not open at all (the
-    open that follows raises what engine="zarr" raises)."""
-    where: dict[str, Any] = {"path": group or "", "zarr_format": zarr_format}
-    try:
-        zarr.open_consolidated(store, mode="r", **where)
+    decides it (the root's consolidated metadata, which lists every group below it),
+    but warning at the user's line in the package's own category (xarray's warning
+    would point into this module). None: the group does not open at all (the open that
+    follows raises what engine="zarr" raises)."""
+    if consolidated_at_root(store, group, zarr_format):
         return True
-    except Exception:  # no consolidated metadata (ValueError), or no group: see below
-        pass
+    where: dict[str, Any] = {"path": group or "", "zarr_format": zarr_format}
     try:
         zarr.open_group(store, mode="r", use_consolidated=False, **where)
     except Exception:

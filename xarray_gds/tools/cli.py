@@ -35,7 +35,7 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 import xarray_gds
 from xarray_gds import device as _device
 from xarray_gds import remote
-from xarray_gds.backend import open_store, placement
+from xarray_gds.backend import consolidated_at_root, open_store, placement
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
 from xarray_gds.tools import _text
 from xarray_gds.tools import demo as demo_cmd
@@ -437,6 +437,14 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def _consolidated(store: Any, group: zarr.Group) -> bool:
+    """Whether reads of ``group`` take consolidated metadata: its own, or the store
+    root's, which lists every group below it (xarray reads a group from the root's)."""
+    if group.metadata.consolidated_metadata is not None:
+        return True
+    return consolidated_at_root(store, group.path, group.metadata.zarr_format)
+
+
 def _run_info(args: argparse.Namespace) -> int:
     try:
         options = _storage_options(args.storage_option or ())
@@ -491,9 +499,7 @@ def _run_info(args: argparse.Namespace) -> int:
             "zarr_format": node.metadata.zarr_format,
             "node": "/" + node.path,
             "kind": "group" if isinstance(node, zarr.Group) else "array",
-            "consolidated": (
-                bool(node.metadata.consolidated_metadata) if isinstance(node, zarr.Group) else None
-            ),
+            "consolidated": _consolidated(store, node) if isinstance(node, zarr.Group) else None,
             "device": {"device": device, "gpu": gpu, "text": device_line},
             "arrays": [_array_json(a, device) for a in arrays],
         }
@@ -503,7 +509,7 @@ def _run_info(args: argparse.Namespace) -> int:
     print(f"zarr format:  {node.metadata.zarr_format}")
     print(f"node:         /{node.path} ({kind})")
     if isinstance(node, zarr.Group):
-        print(f"consolidated: {'yes' if node.metadata.consolidated_metadata else 'no'}")
+        print(f"consolidated: {'yes' if _consolidated(store, node) else 'no'}")
     print(f"device:       {device_line}")
     print("              (placement, decode and encode below are for reads on this device)")
     for array in arrays:
