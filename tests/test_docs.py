@@ -85,6 +85,29 @@ def test_what_the_examples_import_exists() -> None:
     assert missing == []
 
 
+def test_fill_value_mask_masks_the_first_time_as_the_guide_says(tmp_path: Path) -> None:
+    """user-guide.md: with use_zarr_fill_value_as_mask=True, the first time of a v3
+    store written by xarray reads as NaT (stored as 0, the fill value)."""
+    import pandas as pd
+    import xarray as xr
+
+    assert "the first value of `masked.time` is `NaT`" in (DOCS / "user-guide.md").read_text()
+    path = tmp_path / "era5.zarr"
+    times = pd.date_range("2024-01-01", periods=3, freq="h")
+    data = np.ones((3, 2), "f4")
+    ds = xr.Dataset({"t2m": (("time", "x"), data)}, coords={"time": times})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr: consolidated metadata is not in the v3 spec
+        ds.to_zarr(path, zarr_format=3)
+    masked = xr.open_dataset(
+        path, engine="gds-zarr", device="cpu", use_zarr_fill_value_as_mask=True
+    )
+    assert masked.time.encoding["_FillValue"] == 0
+    assert np.isnat(masked.time.values).tolist() == [True, False, False]
+    plain = xr.open_dataset(path, engine="gds-zarr", device="cpu")
+    np.testing.assert_array_equal(plain.time.values, times.values)
+
+
 def test_the_case_table_names_every_bench_case() -> None:
     from xarray_gds.tools.bench import CASES
 
