@@ -153,3 +153,14 @@ def test_import_and_other_engines_leave_dask_alone(tmp_path: Path) -> None:
     assert before == after_others == "None"
     assert after_ours == "_Optimizer"  # installed with the first engine array
     assert tools is False
+
+
+def test_the_warning_classes_are_exported_by_the_package() -> None:
+    """config.md names them as xarray_gds.X: the package exports each one."""
+    from xarray_gds import errors
+
+    names = ["XarrayGdsWarning", "HostRouteWarning", "HostBlocksWarning"]
+    for name in [*names, "ConsolidatedMetadataWarning"]:
+        assert getattr(xarray_gds, name) is getattr(errors, name)
+        assert name in xarray_gds.__all__
+        assert f"xarray_gds.{name}" in (Path(__file__).parent.parent / "docs/config.md").read_text()

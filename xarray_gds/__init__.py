@@ -10,7 +10,13 @@ from __future__ import annotations
 from xarray_gds.backend import GdsZarrBackendEntrypoint, open_store, placement
 from xarray_gds.chunks import GdsDaskManager
 from xarray_gds.device import NoCudaDeviceError, cuda_status, resolve_device
-from xarray_gds.errors import ChunkDecodeError, XarrayGdsWarning
+from xarray_gds.errors import (
+    ChunkDecodeError,
+    ConsolidatedMetadataWarning,
+    HostBlocksWarning,
+    HostRouteWarning,
+    XarrayGdsWarning,
+)
 from xarray_gds.loader import BatchLoader
 from xarray_gds.store import GdsStore
 from xarray_gds.write import to_zarr
@@ -20,9 +26,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchLoader",
     "ChunkDecodeError",
+    "ConsolidatedMetadataWarning",
     "GdsDaskManager",
     "GdsStore",
     "GdsZarrBackendEntrypoint",
+    "HostBlocksWarning",
+    "HostRouteWarning",
     "NoCudaDeviceError",
     "__version__",
     "cuda_status",
