@@ -1012,6 +1012,21 @@ def test_redact_masks_userinfo_options_and_headers():
     assert remote.public_url("s3://bucket/a@b") == "s3://bucket/a@b"
 
 
+def test_redact_masks_a_short_secret_where_it_stands_only():
+    """A one-letter key is masked as a value, not as letters of other words."""
+    from xarray_gds import remote
+
+    options = {"key": "k", "secret": "s3cr", "token": "Bearer tok"}
+    text = (
+        "s3://bucket/x.zarr: check endpoint_url; key='k' secret=s3cr, k tok "
+        "Authorization: Bearer tok; kk sk k_1 (k)"
+    )
+    assert remote.redact(text, options) == (
+        "s3://bucket/x.zarr: check endpoint_url; key='***' secret=***, *** *** "
+        "Authorization: ***; kk sk k_1 (***)"
+    )
+
+
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_unreachable_http_url_never_suggests_aws_settings(scheme):
     url = _closed_url().replace("http://", f"{scheme}://")

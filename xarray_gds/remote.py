@@ -142,10 +142,20 @@ def redact(text: str, storage_options: Any = None, url: str | None = None) -> st
     text = str(text)
     secrets = _secrets(storage_options) + _url_secrets(url)
     for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
+        text = _masked(text, secret)
         if secret.lower().startswith(("bearer ", "basic ", "token ")):  # the token alone
-            text = text.replace(secret.split(" ", 1)[1], "***")
+            text = _masked(text, secret.split(" ", 1)[1])
     return public_url(text)
+
+
+def _masked(text: str, secret: str) -> str:
+    """``text`` with ``secret`` replaced by ``***`` where it stands as a value of its
+    own, not where its characters are part of a longer word: a short key ``"k"`` masks
+    ``key='k'``, not the letters of ``bucket`` or ``check``."""
+    if not secret:
+        return text
+    pattern = rf"(?<![A-Za-z0-9_]){re.escape(secret)}(?![A-Za-z0-9_])"
+    return re.sub(pattern, "***", text)
 
 
 def scrubbed(err: BaseException, storage_options: Any, url: str | None) -> BaseException | None:
