@@ -85,6 +85,37 @@ def test_what_the_examples_import_exists() -> None:
     assert missing == []
 
 
+def _free_names(code: str) -> set[str]:
+    """Names a block reads that it neither assigns, imports nor takes as arguments."""
+    tree = ast.parse(code)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    loaded = {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+    return loaded - bound
+
+
+#: names examples once used without making them (what a reader cannot guess)
+_UNGUESSABLE = {"more", "fix", "model", "encoding", "block", "k", "client", "write_part"}
+_UNGUESSABLE |= {"parts", "paths"}
+
+
+def test_examples_define_the_names_a_reader_cannot_guess() -> None:
+    undefined = {
+        (page, name) for page, code in python_blocks() for name in _free_names(code) & _UNGUESSABLE
+    }
+    assert undefined == set()
+
+
 def test_fill_value_mask_masks_the_first_time_as_the_guide_says(tmp_path: Path) -> None:
     """user-guide.md: with use_zarr_fill_value_as_mask=True, the first time of a v3
     store written by xarray reads as NaT (stored as 0, the fill value)."""
