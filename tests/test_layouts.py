@@ -1,0 +1,205 @@
+"""Layouts x routes x store kinds on the host, each compared with engine="zarr"
+(zarr-python, the reference decoder): values, and the dtype with its byte order
+(``xr.testing.assert_identical`` compares values only: ``>f4`` and ``<f4`` alike).
+
+- shards with their index at the start or the end of the shard file, with and
+  without a CRC-32C of the index, from a local directory, zarr's ``LocalStore`` and
+  ``MemoryStore``, an fsspec store (``memory://``) and an HTTP server (the remote
+  source): a shard's index is read through each store's own byte-range reads there,
+  not only by ``pread`` of a local file;
+- big-endian and little-endian arrays, Zarr v2 and v3: every route (box, points,
+  vectorized points, dask, ``load_async``, the loader) gives the dtype box reads, the
+  declared dtype and engine="zarr" give.
+
+Every route opens the store anew: a variable loaded once is kept in memory by
+xarray, and later selections of it would never reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+import zarr.codecs as zc
+
+from tests._http import serve
+from xarray_gds.loader import BatchLoader
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning"),
+    pytest.mark.filterwarnings("ignore:.*[Cc]onsolidated metadata.*:UserWarning"),
+]
+
+SHAPE = (6, 20, 16)
+DIMS = ("t", "y", "x")
+
+# -- routes: every way a host read reaches the decoder ------------------------------------
+ROUTES: dict[str, Callable[[xr.Dataset], xr.Dataset]] = {
+    "load": lambda ds: ds.load(),
+    "box": lambda ds: ds.isel(t=slice(1, 5), y=slice(3, 17), x=slice(None, None, 3)).load(),
+    "points": lambda ds: ds.isel(t=[0, 5, 2], x=[1, 15]).load(),
+    "vectorized": lambda ds: ds.isel(
+        t=xr.DataArray([0, 3, 5, 3], dims="p"), y=xr.DataArray([2, 19, 7, 2], dims="p")
+    ).load(),
+    "scalar": lambda ds: ds.isel(t=4, y=11, x=13).load(),
+    "dask": lambda ds: ds.chunk({"t": 2}).compute(),
+    "async": lambda ds: asyncio.run(ds.load_async()),
+}
+
+
+def assert_same(gds: xr.Dataset, ref: xr.Dataset, what: Any) -> None:
+    """Values as engine="zarr", and each variable's dtype, byte order included."""
+    xr.testing.assert_identical(gds, ref)
+    for name, var in ref.variables.items():
+        got = gds[name]
+        assert isinstance(got.data, np.ndarray), (what, name, type(got.data))
+        assert got.dtype.str == var.dtype.str, (what, name, got.dtype.str, var.dtype.str)
+
+
+def assert_every_route(store: Any, declared: dict[str, np.dtype[Any]] | None = None) -> None:
+    """Every route of engine="gds-zarr" (``device="cpu"``) on ``store`` as engine="zarr"
+    on it, and, given ``declared`` (variable -> the dtype the metadata declares), that
+    dtype in native byte order for every variable read."""
+
+    def both() -> tuple[xr.Dataset, xr.Dataset]:
+        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu")
+        ref = xr.open_dataset(store, engine="zarr")
+        return gds, ref
+
+    for name, route in ROUTES.items():
+        gds, ref = both()
+        # engine="zarr" loads synchronously: its fsspec HTTP session belongs to zarr's
+        # event loop, not to the one asyncio.run makes
+        got, want = route(gds), ROUTES["load" if name == "async" else name](ref)
+        assert_same(got, want, name)
+        for var, dtype in (declared or {}).items():
+            assert got[var].dtype.str == dtype.newbyteorder("=").str, (name, var, got[var].dtype)
+    gds, ref = both()
+    loader = BatchLoader(gds, "t", batch_size=4, shuffle=False, prefetch=0, drop_last=True)
+    batch = next(iter(loader))
+    want = ref.isel(t=slice(0, 4)).load()
+    for name, values in batch.items():
+        assert isinstance(values, np.ndarray), ("loader", name, type(values))
+        np.testing.assert_array_equal(values, want[name].values, strict=True)
+        assert values.dtype.str == want[name].dtype.str, ("loader", name, values.dtype.str)
+
+
+# -- store kinds ------------------------------------------------------------------------------
+STORE_KINDS = ("path", "zarr-local", "memory", "fsspec", "http")
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@contextmanager
+def as_store(kind: str, root: Path) -> Iterator[Any]:
+    """The local store at ``root`` as a store of ``kind``, what both engines open."""
+    from zarr.core.buffer import cpu
+    from zarr.storage import FsspecStore, LocalStore, MemoryStore
+
+    if kind == "path":
+        yield root
+    elif kind == "zarr-local":
+        yield LocalStore(root, read_only=True)
+    elif kind == "memory":
+        yield MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in _files(root).items()})
+    elif kind == "fsspec":
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        base = f"/layouts-{uuid.uuid4().hex}/{root.name}"
+        try:
+            for key, data in _files(root).items():
+                fs.pipe_file(f"{base}/{key}", data)
+            yield FsspecStore.from_url(f"memory://{base}", read_only=True)
+        finally:
+            fs.rm(base, recursive=True)
+    elif kind == "http":
+        with serve(root.parent) as url:
+            yield f"{url}/{root.name}"
+    else:
+        raise AssertionError(kind)
+
+
+def test_store_kinds_take_the_sources_they_name(tmp_path: Path) -> None:
+    """The store kinds of this module reach the engine's sources they stand for (the
+    HTTP one the remote source, whose shard indexes are range requests)."""
+    from xarray_gds import sources
+    from xarray_gds.backend import open_store
+
+    root = _sharded(tmp_path / "s.zarr", "start", True)
+    want = {
+        "path": sources.LocalSource,
+        "zarr-local": sources.StoreSource,
+        "memory": sources.StoreSource,
+        "fsspec": sources.StoreSource,
+        "http": sources.RemoteSource,
+    }
+    for kind in STORE_KINDS:
+        with as_store(kind, root) as store:
+            opened = store if not isinstance(store, str | Path) else open_store(store)
+            assert type(sources.source_for(opened)) is want[kind], kind
+
+
+# -- shards: the index at the start or the end ---------------------------------------------
+def _sharded(path: Path, location: str, crc: bool) -> Path:
+    """Two sharded arrays (float32 with NaN fill, int16) of 3 x 2 x 2 shards of 2 x 2 x 2
+    inner chunks each, some of them missing (the fill value only), some shards at the
+    edge of the array."""
+    rng = np.random.default_rng(5)
+    f4 = rng.standard_normal(SHAPE).astype("f4")
+    f4[2:4, :10, :8] = np.nan  # the inner chunks of one shard: the shard is not written
+    f4[0, :5, :4] = np.nan  # one inner chunk of another: missing from its index
+    i2 = rng.integers(-300, 300, SHAPE).astype("i2")
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    index_codecs = [zc.BytesCodec(), zc.Crc32cCodec()] if crc else [zc.BytesCodec()]
+    for name, values, fill in (("f", f4, np.nan), ("i", i2, -1)):
+        sharding = zc.ShardingCodec(
+            chunk_shape=(1, 5, 4),
+            codecs=[zc.BytesCodec(), zc.ZstdCodec()],
+            index_codecs=index_codecs,
+            index_location=location,
+        )
+        array = group.create_array(
+            name,
+            shape=SHAPE,
+            dtype=values.dtype,
+            chunks=(2, 10, 8),
+            serializer=sharding,
+            compressors=None,
+            dimension_names=list(DIMS),
+            fill_value=fill,
+        )
+        array[:] = values
+    zarr.consolidate_metadata(path)  # an HTTP server lists no keys
+    return path
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+@pytest.mark.parametrize("crc", [True, False], ids=["crc", "no-crc"])
+@pytest.mark.parametrize("location", ["start", "end"])
+def test_shard_index_at_either_end_from_every_store(
+    tmp_path: Path, location: str, crc: bool, kind: str
+) -> None:
+    """Sharded arrays whose index sits at the start or at the end of each shard read as
+    engine="zarr" reads them, on every route, from every kind of store."""
+    root = _sharded(tmp_path / "s.zarr", location, crc)
+    first = (root / "f" / "c" / "0" / "0" / "0").read_bytes()
+    n_index = 16 * 2 * 2 * 2 + 4 * crc
+    table = first[:n_index] if location == "start" else first[len(first) - n_index :]
+    offsets = np.frombuffer(table[: 16 * 8], dtype="<u8").reshape(-1, 2)[:, 0]
+    present = offsets[offsets != np.iinfo(np.uint64).max]
+    # the layout under test: inner chunks after (start) or before (end) the index
+    assert (present.min() >= n_index) == (location == "start")
+    assert not (root / "f" / "c" / "1" / "0" / "0").exists()  # a shard of the fill value
+    with as_store(kind, root) as store:
+        assert_every_route(store, {"f": np.dtype("f4"), "i": np.dtype("i2")})
