@@ -250,3 +250,77 @@ def test_byte_order_on_every_route(
     root, declared = _endian_store(tmp_path / "e.zarr", zarr_format, endian)
     with as_store(kind, root) as store:
         assert_every_route(store, declared)
+
+
+# -- writes: which chunk files exist -----------------------------------------------------------
+def _chunk_files(root: Path) -> set[str]:
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+    return {k for k in _files(root) if k.rsplit("/", 1)[-1] not in meta}
+
+
+def _empty_chunks_dataset() -> xr.Dataset:
+    rng = np.random.default_rng(2)
+    f4 = rng.standard_normal(SHAPE).astype("f4")
+    f4[2:4, :8, :8] = np.nan  # one whole chunk of the fill value (NaN)
+    f4[4:, 16:, 8:] = np.nan  # one whole edge chunk of it
+    i2 = rng.integers(1, 300, SHAPE).astype("i2")
+    i2[:2, 8:16, :8] = 0  # one whole chunk of the fill value (0)
+    return xr.Dataset({"f": (DIMS, f4), "i": (DIMS, i2)})
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "sharded"), [(2, False), (3, False), (3, True)], ids=["v2", "v3", "v3-shards"]
+)
+@pytest.mark.parametrize("write_empty", [True, False])
+@pytest.mark.parametrize("writer", ["zarr-codecs", "batched"])
+def test_write_empty_chunks_files_as_zarr(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    writer: str,
+    write_empty: bool,
+    zarr_format: int,
+    sharded: bool,
+) -> None:
+    """``xarray_gds.to_zarr(..., write_empty_chunks=...)`` writes the chunk files
+    xarray's engine="zarr" writes with the same setting, whole writes and region writes
+    alike (a region of the fill value deletes its file or writes it): with host values
+    through zarr's codecs, and through the batched encoder, the path device values
+    always take (``XARRAY_GDS_BATCHED_HOST_WRITES=1``)."""
+    import xarray_gds
+    from xarray_gds import pipeline
+
+    if writer == "batched":
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    batched: list[int] = []
+    original = pipeline._write_batched
+
+    async def spy(*args: Any) -> None:
+        batched.append(1)
+        await original(*args)
+
+    monkeypatch.setattr(pipeline, "_write_batched", spy)
+    ds = _empty_chunks_dataset()
+    encoding: dict[str, dict[str, Any]] = {k: {"chunks": (2, 8, 8)} for k in ds}
+    if sharded:
+        for enc in encoding.values():
+            enc["shards"], enc["chunks"] = (2, 16, 16), (2, 8, 8)
+    ours, ref = tmp_path / "ours.zarr", tmp_path / "ref.zarr"
+    region = {"t": slice(0, 2), "y": slice(0, 16), "x": slice(0, 16)}  # a whole shard
+    blank = ds.isel(region)
+    blank = blank.assign(f=blank.f * np.nan, i=blank.i * 0)
+    for root, write in ((ours, xarray_gds.to_zarr), (ref, None)):
+        kwargs: dict[str, Any] = {"zarr_format": zarr_format, "write_empty_chunks": write_empty}
+        if write is None:
+            ds.to_zarr(root, mode="w", encoding=encoding, **kwargs)
+            blank.to_zarr(root, region=region, **kwargs)
+        else:
+            write(ds, root, mode="w", encoding=encoding, **kwargs)
+            write(blank, root, region=region, **kwargs)
+    assert bool(batched) == (writer == "batched")  # the writer under test
+    files = _chunk_files(ref)
+    assert _chunk_files(ours) == files
+    # the layout under test: empty chunks (shards) written only with write_empty_chunks
+    first = "f/c/0/0/0" if zarr_format == 3 else "f/0.0.0"
+    assert (first in files) == write_empty
+    gds = xr.open_dataset(ours, engine="gds-zarr", device="cpu").load()
+    assert_same(gds, xr.open_dataset(ref, engine="zarr").load(), "written")
