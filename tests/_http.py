@@ -70,7 +70,9 @@ def serve(root: Path, handler: type[RangeHandler] = RangeHandler) -> Iterator[st
         return handler(*args, directory=str(root), **kwargs)
 
     server = _Server(("127.0.0.1", 0), make)
-    thread = threading.Thread(target=server.serve_forever, name="http-server", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(0.05,), name="http-server", daemon=True
+    )
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
