@@ -11,6 +11,7 @@ terabytes (``MemoryError`` with an empty message on the host, CuPy's
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -332,3 +333,67 @@ def test_corrupt_chunk_advice_checks_the_codecs_first(tmp_path: Path, device: st
         "v2) with how it was written; only once the metadata is confirmed right, rewrite "
         "the chunk (deleting it reads the fill value instead of its data)."
     )
+
+
+# -- the streamed host route: chunks of 256 KiB and more, one thread a chunk -------------
+#: 3 x 2 chunks of (1, 256, 256) float32: 256 KiB each, the smallest streamed size
+STREAMED_SHAPE = (3, 512, 256)
+STREAMED_CHUNKS = (1, 256, 256)
+STREAMED_KEYS = [f"v/c/{t}/{y}/0" for t in range(3) for y in range(2)]
+
+
+def _streamed_store(path: Path) -> Path:
+    values = np.random.default_rng(3).random(STREAMED_SHAPE).astype("f4")
+    ds = xr.Dataset({"v": (("t", "y", "x"), values)})
+    encoding = {"v": {"chunks": STREAMED_CHUNKS, "compressors": [zc.ZstdCodec()]}}
+    ds.to_zarr(path, mode="w", zarr_format=3, encoding=encoding, consolidated=False)
+    return path
+
+
+def _read_streamed(path: Path, route: str) -> xr.DataArray:
+    if route == "async":
+        import asyncio
+
+        ds = xr.open_dataset(path, engine="gds-zarr", device="cpu")
+        return asyncio.run(ds.v.load_async())
+    return _read(path, "cpu", route)
+
+
+@pytest.mark.parametrize("route", ["load", "box", "dask", "async"])
+def test_streamed_damaged_chunk_is_named_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """Host reads of chunks of 256 KiB and more are streamed (each chunk read, decoded
+    and placed by one thread). A damaged chunk there is reported under its own key,
+    wherever it lies in the read (first, middle, last chunk of the request), and the
+    advice to rewrite a chunk names that one: never a healthy neighbour, which the user
+    would otherwise rewrite or delete."""
+    from xarray_gds import coalesce
+
+    streamed: list[int] = []
+    original = coalesce._serve_streamed
+
+    def spy(group: list[Any]) -> None:
+        streamed.append(sum(len(r.paths) for r in group))
+        original(group)
+
+    monkeypatch.setattr(coalesce, "_serve_streamed", spy)
+    healthy = _streamed_store(tmp_path / "healthy.zarr")
+    ref = xr.open_dataset(healthy, engine="zarr").v
+    xr.testing.assert_identical(_read_streamed(healthy, route), _select(route, ref).load())
+    assert streamed  # the route under test
+    # the box route reads t 0..5 and y 3..40: chunks (t, 0) only
+    keys = [k for k in STREAMED_KEYS if route != "box" or k.endswith("/0/0")]
+    for n, key in enumerate(keys):
+        path = tmp_path / f"broken-{n}.zarr"
+        shutil.copytree(healthy, path)
+        (path / key).write_bytes(b"\x00" * 64)
+        streamed.clear()
+        with pytest.raises(ChunkDecodeError) as err:
+            _read_streamed(path, route)
+        assert streamed
+        assert (err.value.key, err.value.array, err.value.codec) == (key, "v", "zstd")
+        message = str(err.value)
+        assert message.startswith(f"cannot decode chunk {key!r} with codec 'zstd': ")
+        assert "rewrite the chunk" in message
+        assert not [k for k in STREAMED_KEYS if k != key and repr(k) in message]

@@ -265,3 +265,65 @@ def test_tidy_keeps_writes_made_without_consolidating(
     assert {(i.path, i.kind) for i in tidy(path, trust_consolidated=True)} == kinds
     back = xr.open_zarr(path, consolidated=False).load()
     assert "units" not in back.a.attrs and "extra" not in back
+
+
+def _chunk_files(root: Path) -> set[str]:
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.name not in meta
+    }
+
+
+def _grid_step(dim: str, at: int, width: int) -> xr.Dataset:
+    """``width`` steps of ``a`` and ``b`` along ``dim`` ("time" or "x") from ``at`` on,
+    2 time steps x 8 columns otherwise."""
+    nt, nx = (width, 8) if dim == "time" else (2, width)
+    t0, x0 = (at, 0) if dim == "time" else (0, at)
+    rng = np.random.default_rng(at)
+    return xr.Dataset(
+        {n: (("time", "y", "x"), rng.normal(size=(nt, Y, nx)).astype("f4")) for n in "ab"},
+        coords={
+            "time": pd.date_range("2001-01-01", periods=nt, freq="D") + pd.Timedelta(days=t0),
+            "x": np.arange(x0, x0 + nx, dtype="f8"),
+        },
+    )
+
+
+@pytest.mark.parametrize("dim", ["time", "x"])
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_tidy_finds_the_chunks_of_a_killed_one_step_append(
+    tmp_path: Path, fmt: int, dim: str
+) -> None:
+    """A one-step append killed after its chunks and before its metadata leaves chunks
+    just past the end of each array (the first index outside the shape, along the
+    first or the last axis): tidy lists every one of them and nothing else, removes
+    them, and the store then reads and appends as one the append never touched."""
+    chunks = {"chunks": (1, Y, 4)}
+    path, done = tmp_path / "s.zarr", tmp_path / "done.zarr"
+    base = _grid_step(dim, 0, 2 if dim == "time" else 8)
+    step = _grid_step(dim, base.sizes[dim], 1 if dim == "time" else 4)  # one chunk's width
+    xarray_gds.to_zarr(base, path, zarr_format=fmt, encoding={"a": chunks, "b": chunks})
+    before = _chunk_files(path)
+    shutil.copytree(path, done)
+    xarray_gds.to_zarr(step, done, append_dim=dim)
+    left = _chunk_files(done) - before
+    axis = ("time", "y", "x").index(dim)
+    sep = "/" if fmt == 3 else "."
+    # the layout under test: the append's chunks lie one past the end of the old grid
+    for name in "ab":
+        key = f"{name}/{'c/' if fmt == 3 else ''}" + sep.join(
+            str(2 if i == axis else 0) for i in range(3)
+        )
+        assert key in left, (key, sorted(left))
+    for key in left:  # the chunks as the killed writer left them, its metadata unwritten
+        (path / key).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(done / key, path / key)
+    found = find_leftovers(path)
+    assert sorted((i.path, i.kind) for i in found) == sorted((k, "orphan-chunk") for k in left)
+    assert sorted(i.path for i in tidy(path)) == sorted(left)
+    assert _chunk_files(path) == before and not find_leftovers(path)
+    xr.testing.assert_identical(_read(str(path)), base)
+    xarray_gds.to_zarr(step, path, append_dim=dim)
+    xr.testing.assert_identical(_read(str(path)), xr.open_dataset(done, engine="zarr").load())

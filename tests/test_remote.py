@@ -8,7 +8,6 @@ zarr-python through s3fs and read back with both engines.
 from __future__ import annotations
 
 import http.server
-import os
 import socket
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 import xarray as xr
 import zarr
 
+from tests._http import RangeHandler, serve
 from tests._s3 import client as s3_client
 from tests._s3 import loopback_s3, storage_options
 
@@ -215,61 +215,14 @@ def test_wrong_endpoint_names_url_not_secret(s3):
     assert SECRET not in str(info.value) and KEY not in str(info.value)
 
 
-class _RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Files under the server's directory, with single byte ranges; 403 under /private/."""
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def send_head(self):
-        if self.path.startswith("/private/"):
-            self.send_error(403)
-            return None
-        path = self.translate_path(self.path)
-        if not os.path.isfile(path):
-            self.send_error(404)
-            return None
-        data = Path(path).read_bytes()
-        header = self.headers.get("Range")
-        status, body = 200, data
-        if header and header.startswith("bytes="):
-            first, _, last = header[6:].partition("-")
-            if first == "":
-                start, end = max(0, len(data) - int(last)), len(data) - 1
-            else:
-                start = int(first)
-                end = min(int(last), len(data) - 1) if last else len(data) - 1
-            status, body = 206, data[start : end + 1]
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        self.end_headers()
-        import io
-
-        return io.BytesIO(body)
-
-
 @pytest.fixture(scope="module")
 def http_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
     encoding = {"t": {"chunks": (2, 4, 5)}, "n": {"chunks": (4, 5)}}
     _dataset().to_zarr(root / "one.zarr", mode="w", encoding=encoding, consolidated=True)
     (root / "private").mkdir()
-
-    def handler(*args, **kwargs):
-        return _RangeHandler(*args, directory=str(root), **kwargs)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", _free_port()), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve(root) as url:
+        yield url
 
 
 def test_open_dataset_http_matches_zarr(http_root):
@@ -434,7 +387,7 @@ def test_fsspec_and_object_store_objects(s3, s3_store):
 
 
 class _FaultServer(http.server.ThreadingHTTPServer):
-    """The files of ``root`` (byte ranges as :class:`_RangeHandler`) with a fault for
+    """The files of ``root`` (byte ranges as :class:`RangeHandler`) with a fault for
     the first ``times`` requests of each chunk of ``t`` in ``store`` (every request
     when ``times`` is None; metadata and the other variables are served as they are,
     so that the store opens): ``"truncate"`` sends the headers with the full
@@ -496,7 +449,7 @@ class _FaultServer(http.server.ThreadingHTTPServer):
         _FaultHandler(request, client_address, self, directory=str(self.root))
 
 
-class _FaultHandler(_RangeHandler):
+class _FaultHandler(RangeHandler):
     # HTTP/1.0 (the default): one request per connection, so that a stopped server
     # leaves no kept-alive connection behind that would still answer
     server: _FaultServer

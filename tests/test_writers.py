@@ -144,3 +144,40 @@ def test_memory_store_writer_waits_at_most_lock_timeout() -> None:
     xarray_gds.to_zarr(_rows(0, 0), store, append_dim="t", lock_timeout=0.05)
     got = xr.open_dataset(store, engine="zarr").load()  # type: ignore[arg-type]
     xr.testing.assert_identical(got, xr.concat([_base(), _rows(0, 0)], dim="t"))
+
+
+@pytest.mark.parametrize("linked", ["store", "parent"])
+def test_writers_through_a_symbolic_link_exclude_each_other(tmp_path: Path, linked: str) -> None:
+    """Two writers reaching one store by different paths (a symbolic link to the store,
+    or to the folder above it) take one lock: while a write through one path is in
+    progress, a write or a tidy through the other waits and fails after
+    ``lock_timeout``, naming the lock file beside the real store; once the first
+    write ends, the other lands after it. (flock excludes two open files of one
+    process as it excludes two processes: no second process or timing is needed.)"""
+    from xarray_gds.tidy import tidy
+
+    real = tmp_path / "real" / "s.zarr"
+    real.parent.mkdir()
+    xarray_gds.to_zarr(_base(), real, encoding={"v": {"chunks": (4, 3)}})
+    if linked == "store":
+        link = tmp_path / "link.zarr"
+        link.symlink_to(real, target_is_directory=True)
+    else:
+        (tmp_path / "other").symlink_to(real.parent, target_is_directory=True)
+        link = tmp_path / "other" / "s.zarr"
+    lock = real.parent / ".s.zarr.xarray-gds.lock"
+    assert lock_path(link) == lock_path(real) == lock
+    for holder, other in ((real, link), (link, real)):
+        first = HeldMetadataStore(GdsStore(holder, read_only=False))  # a write in progress
+        with pytest.raises(TimeoutError) as info:
+            xarray_gds.to_zarr(_rows(0, 0), other, append_dim="t", lock_timeout=0.05)
+        assert str(lock) in str(info.value)
+        with pytest.raises(TimeoutError) as info:
+            tidy(other, lock_timeout=0.05)
+        assert str(lock) in str(info.value)
+        first.discard()  # gives the lock back
+    assert sorted(p.name for p in tmp_path.rglob("*.lock")) == [lock.name]
+    for k, path in enumerate((link, real)):
+        xarray_gds.to_zarr(_rows(0, k), path, append_dim="t", lock_timeout=0.05)
+    got = xr.open_dataset(real, engine="zarr").load()
+    xr.testing.assert_identical(got, xr.concat([_base(), _rows(0, 0), _rows(0, 1)], dim="t"))

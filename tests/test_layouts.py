@@ -1,0 +1,326 @@
+"""Layouts x routes x store kinds on the host, each compared with engine="zarr"
+(zarr-python, the reference decoder): values, and the dtype with its byte order
+(``xr.testing.assert_identical`` compares values only: ``>f4`` and ``<f4`` alike).
+
+- shards with their index at the start or the end of the shard file, with and
+  without a CRC-32C of the index, from a local directory, zarr's ``LocalStore`` and
+  ``MemoryStore``, an fsspec store (``memory://``) and an HTTP server (the remote
+  source): a shard's index is read through each store's own byte-range reads there,
+  not only by ``pread`` of a local file;
+- big-endian and little-endian arrays, Zarr v2 and v3: every route (box, points,
+  vectorized points, dask, ``load_async``, the loader) gives the dtype box reads, the
+  declared dtype and engine="zarr" give.
+
+Every route opens the store anew: a variable loaded once is kept in memory by
+xarray, and later selections of it would never reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+import zarr.codecs as zc
+
+from tests._http import serve
+from xarray_gds.loader import BatchLoader
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning"),
+    pytest.mark.filterwarnings("ignore:.*[Cc]onsolidated metadata.*:UserWarning"),
+]
+
+SHAPE = (6, 20, 16)
+DIMS = ("t", "y", "x")
+
+# -- routes: every way a host read reaches the decoder ------------------------------------
+ROUTES: dict[str, Callable[[xr.Dataset], xr.Dataset]] = {
+    "load": lambda ds: ds.load(),
+    "box": lambda ds: ds.isel(t=slice(1, 5), y=slice(3, 17), x=slice(None, None, 3)).load(),
+    "points": lambda ds: ds.isel(t=[0, 5, 2], x=[1, 15]).load(),
+    "vectorized": lambda ds: ds.isel(
+        t=xr.DataArray([0, 3, 5, 3], dims="p"), y=xr.DataArray([2, 19, 7, 2], dims="p")
+    ).load(),
+    "scalar": lambda ds: ds.isel(t=4, y=11, x=13).load(),
+    "dask": lambda ds: ds.chunk({"t": 2}).compute(),
+    "async": lambda ds: asyncio.run(ds.load_async()),
+}
+
+
+def assert_same(gds: xr.Dataset, ref: xr.Dataset, what: Any) -> None:
+    """Values as engine="zarr", and each variable's dtype, byte order included."""
+    xr.testing.assert_identical(gds, ref)
+    for name, var in ref.variables.items():
+        got = gds[name]
+        assert isinstance(got.data, np.ndarray), (what, name, type(got.data))
+        assert got.dtype.str == var.dtype.str, (what, name, got.dtype.str, var.dtype.str)
+
+
+def assert_every_route(store: Any, declared: dict[str, np.dtype[Any]] | None = None) -> None:
+    """Every route of engine="gds-zarr" (``device="cpu"``) on ``store`` as engine="zarr"
+    on it, and, given ``declared`` (variable -> the dtype the metadata declares), that
+    dtype in native byte order for every variable read."""
+
+    def both() -> tuple[xr.Dataset, xr.Dataset]:
+        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu")
+        ref = xr.open_dataset(store, engine="zarr")
+        return gds, ref
+
+    for name, route in ROUTES.items():
+        gds, ref = both()
+        # engine="zarr" loads synchronously: its fsspec HTTP session belongs to zarr's
+        # event loop, not to the one asyncio.run makes
+        got, want = route(gds), ROUTES["load" if name == "async" else name](ref)
+        assert_same(got, want, name)
+        for var, dtype in (declared or {}).items():
+            assert got[var].dtype.str == dtype.newbyteorder("=").str, (name, var, got[var].dtype)
+    gds, ref = both()
+    loader = BatchLoader(gds, "t", batch_size=4, shuffle=False, prefetch=0, drop_last=True)
+    batch = next(iter(loader))
+    want = ref.isel(t=slice(0, 4)).load()
+    for name, values in batch.items():
+        assert isinstance(values, np.ndarray), ("loader", name, type(values))
+        np.testing.assert_array_equal(values, want[name].values, strict=True)
+        assert values.dtype.str == want[name].dtype.str, ("loader", name, values.dtype.str)
+
+
+# -- store kinds ------------------------------------------------------------------------------
+STORE_KINDS = ("path", "zarr-local", "memory", "fsspec", "http")
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@contextmanager
+def as_store(kind: str, root: Path) -> Iterator[Any]:
+    """The local store at ``root`` as a store of ``kind``, what both engines open."""
+    from zarr.core.buffer import cpu
+    from zarr.storage import FsspecStore, LocalStore, MemoryStore
+
+    if kind == "path":
+        yield root
+    elif kind == "zarr-local":
+        yield LocalStore(root, read_only=True)
+    elif kind == "memory":
+        yield MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in _files(root).items()})
+    elif kind == "fsspec":
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        base = f"/layouts-{uuid.uuid4().hex}/{root.name}"
+        try:
+            for key, data in _files(root).items():
+                fs.pipe_file(f"{base}/{key}", data)
+            yield FsspecStore.from_url(f"memory://{base}", read_only=True)
+        finally:
+            fs.rm(base, recursive=True)
+    elif kind == "http":
+        with serve(root.parent) as url:
+            yield f"{url}/{root.name}"
+    else:
+        raise AssertionError(kind)
+
+
+def test_store_kinds_take_the_sources_they_name(tmp_path: Path) -> None:
+    """The store kinds of this module reach the engine's sources they stand for (the
+    HTTP one the remote source, whose shard indexes are range requests)."""
+    from xarray_gds import sources
+    from xarray_gds.backend import open_store
+
+    root = _sharded(tmp_path / "s.zarr", "start", True)
+    want = {
+        "path": sources.LocalSource,
+        "zarr-local": sources.StoreSource,
+        "memory": sources.StoreSource,
+        "fsspec": sources.StoreSource,
+        "http": sources.RemoteSource,
+    }
+    for kind in STORE_KINDS:
+        with as_store(kind, root) as store:
+            opened = store if not isinstance(store, str | Path) else open_store(store)
+            assert type(sources.source_for(opened)) is want[kind], kind
+
+
+# -- shards: the index at the start or the end ---------------------------------------------
+def _sharded(path: Path, location: str, crc: bool) -> Path:
+    """Two sharded arrays (float32 with NaN fill, int16) of 3 x 2 x 2 shards of 2 x 2 x 2
+    inner chunks each, some of them missing (the fill value only), some shards at the
+    edge of the array."""
+    rng = np.random.default_rng(5)
+    f4 = rng.standard_normal(SHAPE).astype("f4")
+    f4[2:4, :10, :8] = np.nan  # the inner chunks of one shard: the shard is not written
+    f4[0, :5, :4] = np.nan  # one inner chunk of another: missing from its index
+    i2 = rng.integers(-300, 300, SHAPE).astype("i2")
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    index_codecs = [zc.BytesCodec(), zc.Crc32cCodec()] if crc else [zc.BytesCodec()]
+    for name, values, fill in (("f", f4, np.nan), ("i", i2, -1)):
+        sharding = zc.ShardingCodec(
+            chunk_shape=(1, 5, 4),
+            codecs=[zc.BytesCodec(), zc.ZstdCodec()],
+            index_codecs=index_codecs,
+            index_location=location,
+        )
+        array = group.create_array(
+            name,
+            shape=SHAPE,
+            dtype=values.dtype,
+            chunks=(2, 10, 8),
+            serializer=sharding,
+            compressors=None,
+            dimension_names=list(DIMS),
+            fill_value=fill,
+        )
+        array[:] = values
+    zarr.consolidate_metadata(path)  # an HTTP server lists no keys
+    return path
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+@pytest.mark.parametrize("crc", [True, False], ids=["crc", "no-crc"])
+@pytest.mark.parametrize("location", ["start", "end"])
+def test_shard_index_at_either_end_from_every_store(
+    tmp_path: Path, location: str, crc: bool, kind: str
+) -> None:
+    """Sharded arrays whose index sits at the start or at the end of each shard read as
+    engine="zarr" reads them, on every route, from every kind of store."""
+    root = _sharded(tmp_path / "s.zarr", location, crc)
+    first = (root / "f" / "c" / "0" / "0" / "0").read_bytes()
+    n_index = 16 * 2 * 2 * 2 + 4 * crc
+    table = first[:n_index] if location == "start" else first[len(first) - n_index :]
+    offsets = np.frombuffer(table[: 16 * 8], dtype="<u8").reshape(-1, 2)[:, 0]
+    present = offsets[offsets != np.iinfo(np.uint64).max]
+    # the layout under test: inner chunks after (start) or before (end) the index
+    assert (present.min() >= n_index) == (location == "start")
+    assert not (root / "f" / "c" / "1" / "0" / "0").exists()  # a shard of the fill value
+    with as_store(kind, root) as store:
+        assert_every_route(store, {"f": np.dtype("f4"), "i": np.dtype("i2")})
+
+
+# -- byte order ------------------------------------------------------------------------------
+def _endian_store(path: Path, zarr_format: int, endian: str) -> tuple[Path, dict[str, Any]]:
+    """Variables of several dtypes stored ``endian`` (``"big"`` or ``"little"``) in
+    zarr_format 2 (the dtype says it: ``>f4``) or 3 (the ``bytes`` codec says it), with
+    missing chunks; returns the store and the dtypes it declares."""
+    rng = np.random.default_rng(9)
+    f4 = rng.standard_normal(SHAPE).astype("f4")
+    f4[:2, :8, :8] = np.nan  # a chunk of the fill value: not written
+    values = {
+        "f": f4,
+        "d": rng.standard_normal(SHAPE),
+        "i": rng.integers(-300, 300, SHAPE).astype("i2"),
+        "u": rng.integers(0, 2**31, SHAPE).astype("u4"),
+    }
+    order = ">" if endian == "big" else "<"
+    ds = xr.Dataset(
+        {
+            k: (DIMS, v.astype(v.dtype.newbyteorder(order)) if zarr_format == 2 else v)
+            for k, v in values.items()
+        }
+    )
+    encoding: dict[str, dict[str, Any]] = {}
+    for name in values:
+        encoding[name] = {"chunks": (2, 8, 8)}
+        if zarr_format == 3:
+            encoding[name]["serializer"] = zc.BytesCodec(endian=endian)
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=encoding, consolidated=True)
+    declared = {k: v.dtype for k, v in values.items()}
+    if zarr_format == 2:  # the layout under test
+        assert zarr.open_array(path / "f").dtype == np.dtype(f"{order}f4")
+    return path, declared
+
+
+@pytest.mark.parametrize("kind", ["path", "memory"])
+@pytest.mark.parametrize("endian", ["big", "little"])
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_byte_order_on_every_route(
+    tmp_path: Path, zarr_format: int, endian: str, kind: str
+) -> None:
+    """Arrays stored big- or little-endian come back in the native byte order on every
+    route (box, points, vectorized points, dask, load_async, the loader): the dtype box
+    reads give, the dtype declared and engine="zarr"'s, never the stored order."""
+    root, declared = _endian_store(tmp_path / "e.zarr", zarr_format, endian)
+    with as_store(kind, root) as store:
+        assert_every_route(store, declared)
+
+
+# -- writes: which chunk files exist -----------------------------------------------------------
+def _chunk_files(root: Path) -> set[str]:
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+    return {k for k in _files(root) if k.rsplit("/", 1)[-1] not in meta}
+
+
+def _empty_chunks_dataset() -> xr.Dataset:
+    rng = np.random.default_rng(2)
+    f4 = rng.standard_normal(SHAPE).astype("f4")
+    f4[2:4, :8, :8] = np.nan  # one whole chunk of the fill value (NaN)
+    f4[4:, 16:, 8:] = np.nan  # one whole edge chunk of it
+    i2 = rng.integers(1, 300, SHAPE).astype("i2")
+    i2[:2, 8:16, :8] = 0  # one whole chunk of the fill value (0)
+    return xr.Dataset({"f": (DIMS, f4), "i": (DIMS, i2)})
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "sharded"), [(2, False), (3, False), (3, True)], ids=["v2", "v3", "v3-shards"]
+)
+@pytest.mark.parametrize("write_empty", [True, False])
+@pytest.mark.parametrize("writer", ["zarr-codecs", "batched"])
+def test_write_empty_chunks_files_as_zarr(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    writer: str,
+    write_empty: bool,
+    zarr_format: int,
+    sharded: bool,
+) -> None:
+    """``xarray_gds.to_zarr(..., write_empty_chunks=...)`` writes the chunk files
+    xarray's engine="zarr" writes with the same setting, whole writes and region writes
+    alike (a region of the fill value deletes its file or writes it): with host values
+    through zarr's codecs, and through the batched encoder, the path device values
+    always take (``XARRAY_GDS_BATCHED_HOST_WRITES=1``)."""
+    import xarray_gds
+    from xarray_gds import pipeline
+
+    if writer == "batched":
+        monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
+    batched: list[int] = []
+    original = pipeline._write_batched
+
+    async def spy(*args: Any) -> None:
+        batched.append(1)
+        await original(*args)
+
+    monkeypatch.setattr(pipeline, "_write_batched", spy)
+    ds = _empty_chunks_dataset()
+    encoding: dict[str, dict[str, Any]] = {k: {"chunks": (2, 8, 8)} for k in ds}
+    if sharded:
+        for enc in encoding.values():
+            enc["shards"], enc["chunks"] = (2, 16, 16), (2, 8, 8)
+    ours, ref = tmp_path / "ours.zarr", tmp_path / "ref.zarr"
+    region = {"t": slice(0, 2), "y": slice(0, 16), "x": slice(0, 16)}  # a whole shard
+    blank = ds.isel(region)
+    blank = blank.assign(f=blank.f * np.nan, i=blank.i * 0)
+    for root, write in ((ours, xarray_gds.to_zarr), (ref, None)):
+        kwargs: dict[str, Any] = {"zarr_format": zarr_format, "write_empty_chunks": write_empty}
+        if write is None:
+            ds.to_zarr(root, mode="w", encoding=encoding, **kwargs)
+            blank.to_zarr(root, region=region, **kwargs)
+        else:
+            write(ds, root, mode="w", encoding=encoding, **kwargs)
+            write(blank, root, region=region, **kwargs)
+    assert bool(batched) == (writer == "batched")  # the writer under test
+    files = _chunk_files(ref)
+    assert _chunk_files(ours) == files
+    # the layout under test: empty chunks (shards) written only with write_empty_chunks
+    first = "f/c/0/0/0" if zarr_format == 3 else "f/0.0.0"
+    assert (first in files) == write_empty
+    gds = xr.open_dataset(ours, engine="gds-zarr", device="cpu").load()
+    assert_same(gds, xr.open_dataset(ref, engine="zarr").load(), "written")
