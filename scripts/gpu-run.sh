@@ -32,12 +32,15 @@ rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the suite takes over 9 minutes in one process: spread it over GPU_WORKERS processes
   # (pytest-xdist, carried as a wheel) that share the one GPU
-  # every worker's CuPy pool is capped (CUPY_GPU_MEMORY_LIMIT, CuPy's own setting):
-  # uncapped, 14 workers filled an 80 GB H100 with cached blocks and nvCOMP's own
-  # allocations failed (5 Dec 2026); 8 workers at 8% each ran clean there
-  CUPY_GPU_MEMORY_LIMIT=${CUPY_GPU_MEMORY_LIMIT:-8%} \
+  # every worker's CuPy pool is capped (CUPY_GPU_MEMORY_LIMIT, CuPy's own setting) so
+  # that the pools together hold at most 64% of the card: nvCOMP's own allocations,
+  # CUDA contexts and the dask-cuda workers some tests start need the rest. Uncapped,
+  # 14 workers filled an 80 GB H100; 8 workers at 8% ran clean, 10 at 8% (80%) ran
+  # out of memory in nvCOMP encodes and in dask-cuda workers (December 2026)
+  workers=${GPU_WORKERS:-8}
+  CUPY_GPU_MEMORY_LIMIT=${CUPY_GPU_MEMORY_LIMIT:-$((64 / workers))%} \
   XARRAY_GDS_REQUIRE_GPU=1 timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q \
-    -p no:cacheprovider -n "${GPU_WORKERS:-8}" --timeout 300 --tb=short -ra \
+    -p no:cacheprovider -n "$workers" --timeout 300 --tb=short -ra \
     ${TESTS:-tests} > "$out/gpu-tests.log" 2>&1 || rc=1
   # -ra (not -rf): the log lists every skip with its reason, so a GPU run that skips
   # shows why

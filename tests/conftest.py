@@ -104,14 +104,17 @@ def expected_placement(name: str, var: xr.Variable) -> str:
     return PLACEMENT_BY_DTYPE[dtype.name]
 
 
-def assert_placed(ds: xr.Dataset, device: str) -> None:
+def assert_placed(
+    ds: xr.Dataset, device: str, indexes: frozenset[str] | set[str] = SOURCE_INDEXES
+) -> None:
     """Each variable where :func:`expected_placement` says (numpy on ``device="cpu"``),
     and ``xarray_gds.placement`` agreeing with that table whatever ``device`` is (so
-    that the CPU suite checks the placement rule too)."""
+    that the CPU suite checks the placement rule too). ``indexes``: the index
+    coordinates of the store ``ds`` was read from (on the host whatever became of them)."""
     import xarray_gds
 
     for name, var in ds.variables.items():
-        if name in SOURCE_INDEXES:
+        if name in indexes:
             continue  # an index coordinate of the store stays on the host, even once
             # indexing made it a scalar or a non-index coordinate
         data = var.data

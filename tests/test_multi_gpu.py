@@ -484,3 +484,19 @@ def test_bench_multi_gpu_case_runs(
     worst = float(result["note"].split("means agree with zarr to ")[1].split()[0])
     assert worst < 1e-5
     assert "| multi-gpu-mfdataset |" in out
+
+
+def test_bench_cluster_closed_when_a_contender_fails(tmp_path: Path) -> None:
+    """A contender that fails on its cluster closes it: left open, its client would stay
+    dask's default scheduler, and every later computation of the process (other
+    cases, other tests) would run on that cluster's workers."""
+    distributed = pytest.importorskip("distributed")
+    from xarray_gds.tools import bench_cluster
+
+    contenders = bench_cluster.contenders([tmp_path / "missing.zarr"])
+    first = next(iter(contenders.values()))
+    with pytest.raises(FileNotFoundError):
+        first()
+    assert bench_cluster._CLUSTERS.client is None and bench_cluster._CLUSTERS.cluster is None
+    with pytest.raises(ValueError, match="No clients found"):
+        distributed.default_client()

@@ -114,14 +114,20 @@ def _mean(
 ) -> float:
     """``ds.t.mean()`` of every store on ``cluster`` (started by ``start`` unless it is
     the one alive); the opens too run on the workers."""
-    _CLUSTERS.use(cluster, start)
     kw: dict[str, Any] = {}
     if engine == "gds-zarr":
         from xarray_gds.chunks import GdsDaskManager
 
         kw = {"device": device, "chunked_array_type": GdsDaskManager()}
-    ds = xr.open_mfdataset(paths, engine=engine, parallel=True, **_OPTIONS, **kw)
-    value = float(np.asarray(_device.to_host(ds["t"].mean().compute().data)))
+    try:
+        _CLUSTERS.use(cluster, start)
+        ds = xr.open_mfdataset(paths, engine=engine, parallel=True, **_OPTIONS, **kw)
+        value = float(np.asarray(_device.to_host(ds["t"].mean().compute().data)))
+    except BaseException:
+        # a failed contender closes its cluster: left open, its client would stay
+        # dask's default scheduler for everything the process computes afterwards
+        _CLUSTERS.close()
+        raise
     _CLUSTERS.values[label] = value
     return value
 
