@@ -17,6 +17,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 import zarr.codecs as zc
+from zarr.abc.codec import BytesBytesCodec
 from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
 
 from xarray_gds.codecs.filters import ByteFilter, Undelta, Unshuffle
@@ -267,13 +268,18 @@ def _plan_v3_codecs(
     codecs: tuple[Any, ...], meta: ArrayV3Metadata, chunk_shape: tuple[int, ...]
 ) -> DecodeChain | Unsupported:
     names = tuple(codec_name(c) for c in codecs)
+    dtype = np.dtype(meta.data_type.to_native_dtype())
+    if dtype.kind not in "biufc":
+        return Unsupported(names, f"dtype {dtype} is not numeric")
     ndim = len(chunk_shape)
     order = tuple(range(ndim))
     endian_big = False
     crc = False
     compressor: Compressor | None = None
+    filters: list[ByteFilter] = []  # in encode order
     seen_bytes = False
     for codec in codecs:
+        wrapped = _wrapped_numcodecs(codec)
         if isinstance(codec, zc.TransposeCodec) and not seen_bytes:
             order = tuple(order[i] for i in codec.order)
         elif isinstance(codec, zc.BytesCodec) and not seen_bytes:
@@ -283,19 +289,62 @@ def _plan_v3_codecs(
             seen_bytes
             and compressor is None
             and not crc
-            and (found := _zarr_compressor(codec)) is not None
+            and wrapped is not None
+            and (byte_filter := _byte_filter(wrapped, dtype)) is not None
+        ):
+            # a numcodecs filter in a v3 chain (VirtualiZarr writes HDF5's shuffle so)
+            filters.append(byte_filter)
+        elif (
+            seen_bytes
+            and compressor is None
+            and not crc
+            and (found := _v3_compressor(codec, wrapped)) is not None
         ):
             compressor = found
         elif CRC32C.claims(codec) and seen_bytes and not crc:
             crc = True
         else:
             return Unsupported(names, f"codec {codec_name(codec)!r} has no batched decoder")
-    dtype = np.dtype(meta.data_type.to_native_dtype())
-    if dtype.kind not in "biufc":
-        return Unsupported(names, f"dtype {dtype} is not numeric")
     if endian_big:
         dtype = dtype.newbyteorder(">")
-    return DecodeChain(chunk_shape, dtype, crc, compressor, (), order, names)
+    return DecodeChain(chunk_shape, dtype, crc, compressor, tuple(reversed(filters)), order, names)
+
+
+def _wrapped_numcodecs(codec: Any) -> Any | None:
+    """The numcodecs codec that a Zarr v3 ``numcodecs.*`` bytes-to-bytes codec wraps
+    (zarr's ``zarr.codecs.numcodecs`` classes, which keep its configuration as
+    ``codec_config``), else None."""
+    config = getattr(codec, "codec_config", None)
+    if not isinstance(codec, BytesBytesCodec) or not isinstance(config, dict):
+        return None
+    try:
+        return numcodecs.get_codec(dict(config))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _v3_compressor(codec: Any, wrapped: Any | None) -> Compressor | None:
+    """The decode stage of a Zarr v3 codec: one of zarr's own (``zstd``, ``gzip``,
+    ``blosc``), or a numcodecs compressor wrapped as ``numcodecs.*``."""
+    found = _zarr_compressor(codec)
+    if found is None and wrapped is not None:
+        found = _numcodecs_compressor(wrapped)
+    return found
+
+
+def _byte_filter(codec: Any, dtype: np.dtype) -> ByteFilter | None:
+    """The batched decode stage of a numcodecs filter (``Shuffle``; a ``Delta`` that
+    keeps its native numeric dtype), else None."""
+    if isinstance(codec, numcodecs.Shuffle):
+        return Unshuffle(_shuffle_size(codec, dtype))
+    if (
+        isinstance(codec, numcodecs.Delta)
+        and np.dtype(codec.dtype) == np.dtype(codec.astype)
+        and np.dtype(codec.dtype).kind in "iuf"
+        and np.dtype(codec.dtype).isnative
+    ):
+        return Undelta(np.dtype(codec.dtype))
+    return None
 
 
 def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain | Unsupported:
@@ -315,17 +364,9 @@ def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain
         compressor, filters = last, filters[:-1]
     planned: list[ByteFilter] = []
     for f in reversed(filters):  # decode order
-        if isinstance(f, numcodecs.Shuffle):
-            planned.append(Unshuffle(_shuffle_size(f, dtype)))
-        elif (
-            isinstance(f, numcodecs.Delta)
-            and np.dtype(f.dtype) == np.dtype(f.astype)
-            and np.dtype(f.dtype).kind in "iuf"
-            and np.dtype(f.dtype).isnative
-        ):
-            planned.append(Undelta(np.dtype(f.dtype)))
-        else:
+        if (byte_filter := _byte_filter(f, dtype)) is None:
             return Unsupported(names, f"filter {codec_name(f)!r} has no batched decoder")
+        planned.append(byte_filter)
     ndim = len(chunk_shape)
     order = tuple(range(ndim)) if meta.order == "C" else tuple(reversed(range(ndim)))
     return DecodeChain(chunk_shape, dtype, False, compressor, tuple(planned), order, names)

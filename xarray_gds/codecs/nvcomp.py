@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,23 @@ def _release() -> None:
     for state in _all_states:
         state.get("codecs", {}).clear()
     _all_states.clear()
+
+
+def _retry_out_of_memory(stream: Any, call: Callable[..., Any], inputs: Any, out: Any) -> Any:
+    """``call(inputs, out=out)`` (an nvCOMP codec's decode or encode); when nvCOMP
+    finds the device out of memory, once more after CuPy's memory pool has handed its
+    cached free blocks back to the device. nvCOMP allocates its scratch outside that
+    pool, and the pool keeps every block freed since for CuPy's reuse, so a device
+    whose memory CuPy merely caches would refuse nvCOMP what is in fact free (CuPy's
+    own allocations retry the same way)."""
+    try:
+        return call(inputs, out=out)
+    except RuntimeError as err:
+        if "out of memory" not in str(err):
+            raise
+        stream.synchronize()
+        _device.cupy().get_default_memory_pool().free_all_blocks()
+        return call(inputs, out=out)
 
 
 def _codec(fmt: Format) -> Any:
@@ -390,7 +407,7 @@ def _run(
     inputs = _batch(src.arena, src.offsets, src.sizes, stream)
     outputs = _batch(out, out_offsets, out_sizes, stream)
     try:
-        result = _codec(fmt).decode(inputs, out=outputs)
+        result = _retry_out_of_memory(stream, _codec(fmt).decode, inputs, outputs)
         # wait in CuPy, which lets other threads run meanwhile: read before the wait,
         # nvCOMP's buffer_sizes does the waiting itself and the other dask threads
         # stall (a profile of 50 store reads had their decode time in it)
@@ -553,7 +570,7 @@ def _encode_batch(
             rows = np.arange(n, dtype=np.int64) * row
             outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
             try:
-                result = _codec(fmt).encode(inputs, out=outputs)
+                result = _retry_out_of_memory(stream, _codec(fmt).encode, inputs, outputs)
                 stream.synchronize()  # waits in CuPy, not in buffer_sizes (see _run)
                 break
             except ValueError as err:
