@@ -213,6 +213,13 @@ V3_CODECS: dict[str, dict[str, Any]] = {
     "crc32c": {"compressors": [zc.ZstdCodec(), zc.Crc32cCodec()]},
     "big-endian": {"serializer": zc.BytesCodec(endian="big"), "compressors": [zc.GzipCodec()]},
     "sharded": {"shards": "outer", "compressors": [zc.ZstdCodec()]},
+    # numcodecs filters in a v3 chain, as VirtualiZarr describes HDF5's shuffle + deflate
+    "shuffle-zlib": {
+        "compressors": lambda dt: [
+            zarr.codecs.numcodecs.Shuffle(elementsize=dt.itemsize),
+            zarr.codecs.numcodecs.Zlib(level=1),
+        ]
+    },
     # no batched decoder: zarr-python decodes it (on the host, for either device)
     "lzma": {"compressors": [zarr.codecs.numcodecs.LZMA(preset=1)]},
 }

@@ -38,6 +38,7 @@ EXPECTED_PLAN = {
     (3, "crc32c"): "gpu" if crc32c.available() else "host",
     (3, "big-endian"): "gpu",
     (3, "sharded"): "gpu",
+    (3, "shuffle-zlib"): "gpu",
     (3, "lzma"): "zarr",
     (2, "zstd"): "gpu",
     (2, "lz4"): "gpu",
