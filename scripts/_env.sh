@@ -47,3 +47,21 @@ setup_venv() {  # setup_venv EXTRAS [VENV [PYTHON_VERSION [PIP_INSTALL_ARGS...]]
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$project" "$@"
   export PATH="$PWD/$venv/bin:$PATH"
 }
+
+ensure_nginx() {  # nginx for the remote tests and benchmarks (Debian's package)
+  # the tests start their own nginx on 127.0.0.1 from a configuration they write; the
+  # package's own service is kept from starting while it installs (policy-rc.d)
+  command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "note: nginx is not installed (apt-get install nginx): its tests are skipped" >&2
+    return 0
+  fi
+  local policy=/usr/sbin/policy-rc.d had_policy=0
+  [ -e "$policy" ] && had_policy=1
+  [ "$had_policy" = 1 ] || printf '#!/bin/sh\nexit 101\n' > "$policy"
+  chmod +x "$policy" 2>/dev/null || true
+  apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null 2>&1 ||
+    echo "note: apt-get install nginx failed: its tests are skipped" >&2
+  [ "$had_policy" = 1 ] || rm -f "$policy"
+}

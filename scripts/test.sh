@@ -4,6 +4,7 @@
 # GPU tests are skipped without a GPU; XARRAY_GDS_REQUIRE_GPU=1 makes them fail instead.
 source "$(dirname "$0")/_env.sh"
 setup_venv "test,docs,virtual"
+ensure_nginx
 
 docs_strict() {
   # --strict fails on the warnings mkdocs counts (never add --quiet: it hides them from
