@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 from typing import Any
 from urllib.parse import unquote
 
@@ -234,6 +235,17 @@ def _unreachable(url: str) -> str:
     return "the server cannot be reached: check the URL (host and port) and that the server is up"
 
 
+def _untrusted_certificate(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a failed check of the
+    server's TLS certificate."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, ssl.SSLCertVerificationError) or "Certificate" in type(err).__name__:
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
 def _classified(
     url: str, options: dict[str, Any], err: BaseException, action: str = "open"
 ) -> OSError | None:
@@ -248,6 +260,18 @@ def _classified(
                 "no credentials found: pass storage_options key and "
                 "secret, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
                 "anon=True for a public bucket",
+                err,
+                action,
+            )
+        )
+    if _untrusted_certificate(err):
+        return ConnectionError(
+            _fail(
+                url,
+                options,
+                "the server's TLS certificate is not trusted: give the certificate of "
+                "the authority that signed it (the SSL_CERT_FILE environment variable, "
+                "or an ssl context in storage_options client_kwargs)",
                 err,
                 action,
             )
