@@ -406,7 +406,7 @@ def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[
 
     def contenders(p: Path) -> dict[str, Callable[[], Any]]:
         # raw-limit: every chunk read by kvikio and decoded in one nvCOMP call (the
-        # 75% target of issue 15 is against it)
+        # bound the engine's load is measured against)
         if kind == "eager":
             return {
                 "gds-zarr": lambda: _gds(p).load(),
@@ -776,7 +776,7 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
     # one reduction over many stores on a dask cluster of 1, 2, 4 and 8 GPUs (those the
-    # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.tools.bench_cluster)
+    # machine has) and engine="zarr" on a CPU cluster (xarray_gds.tools.bench_cluster)
     "multi-gpu-mfdataset": {
         "gpu": False,  # on the host: a smoke test of the case
         "needs": ("dask", "distributed"),
@@ -787,7 +787,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": bench_cluster.contenders,
         "note": bench_cluster.note,
     },
-    # the ways users load data (issue 15): each a ratio against engine="zarr" doing
+    # the ways users load data: each a ratio against engine="zarr" doing
     # the same call, then moving every variable's values to the GPU
     "usage-eager-2var": {
         "gpu": True,
@@ -876,7 +876,7 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, True),
         },
     },
-    # issue 17: a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
+    # a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
     "remote-s3-zstd-4MB": {
         "gpu": True,
         "needs": _S3,
@@ -889,7 +889,7 @@ CASES: dict[str, dict[str, Any]] = {
             "fetching every chunk object to the host without decoding it"
         ),
     },
-    # issue 18: a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
+    # a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
     "netcdf-refs": {
         "gpu": True,
         "needs": _REFS,
@@ -917,7 +917,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": bench_refs.host_contenders,
         "note": bench_refs.note,
     },
-    # issue 32: Icechunk repositories (local filesystem storage; virtual references)
+    # Icechunk repositories (local filesystem storage; virtual references)
     "icechunk-2var": {
         "gpu": True,
         "needs": _ICECHUNK,
@@ -974,10 +974,10 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, False),
         },
     },
-    # issue 31: training batches from an ERA5-like store, against a PyTorch DataLoader
+    # training batches from an ERA5-like store, against a PyTorch DataLoader
     # with engine="zarr" in worker processes (xarray_gds.tools.bench_loader)
     **bench_loader.cases(),
-    # issue 33: the ways users write (xarray_gds.tools.bench_write)
+    # the ways users write (xarray_gds.tools.bench_write)
     **bench_write.cases(),
 }
 
