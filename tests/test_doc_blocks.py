@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/*.md runs.
+"""Every code block of README.md, CONTRIBUTING.md and docs/*.md runs.
 
 Each page's ``python`` blocks run in order in one namespace, in a temporary directory
 that holds small stores of the names the examples open (``doc_stores``). The commands
@@ -49,7 +49,7 @@ from xarray_gds import device
 from xarray_gds.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: languages of blocks that are not code to run
 NOT_CODE = {"text", "markdown", "mermaid"}
