@@ -1,37 +1,43 @@
 #!/usr/bin/env bash
-# Runs on the lent GPU machine (see docs/development.md), from the repository root,
-# after `PATH=$PWD/.venv/bin:$PATH ../shared/gpu/prepare cftime==1.6.6.1 pytest-xdist==3.8.0
-# execnet==2.1.1 pytest-timeout==2.4.0` here:
-#   run(command="bash scripts/gpu-run.sh [tests|bench|all]", carry=[".whl"])
-# Installs the carried wheels, then runs the whole suite with XARRAY_GDS_REQUIRE_GPU=1
-# and/or `xarray-gds bench`, writing logs and results under $OUT. BENCH_CASES (names
+# Runs the GPU tests and benchmarks on a machine with a CUDA GPU, from the repository
+# root (see docs/development.md):
+#   bash scripts/gpu-run.sh [tests|bench|all]
+# It installs the wheels of .whl/ (made by scripts/gpu-wheels.sh, for a machine without
+# network access) into /tmp/site, then runs the whole suite with
+# XARRAY_GDS_REQUIRE_GPU=1 and the demo on the GPU, and/or `xarray-gds bench`, writing
+# logs and results under $OUT (default /tmp/xarray-gds-out). BENCH_CASES (names
 # separated by spaces) limits the benchmark to those cases (BENCH_SIZE, BENCH_REPEAT,
 # BENCH_TIMEOUT: its --size-gb, --repeat and time limit); TESTS names the test paths,
-# EXTRA_SITE a second site directory (see below),
-# GPU_WORKERS the pytest-xdist processes; BENCH_PROFILE=1 adds a
-# cProfile of one more run per contender under $OUT/profiles.
+# TESTS_TIMEOUT the suite's time limit, EXTRA_SITE a second site directory (see below),
+# GPU_WORKERS the pytest-xdist processes; BENCH_PROFILE=1 adds a cProfile of one more
+# run per contender under $OUT/profiles.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/xarray-gds-out}
 mkdir -p "$out"
-# prepare builds the project's wheel only with the project's venv on PATH: without it the
-# engine is not registered and every test fails, so stop before spending device time
+# without the project's wheel the engine is not registered and every test fails: stop
+# before running anything
 if ! ls .whl/xarray_gds-*.whl > /dev/null 2>&1; then
-  echo "no xarray_gds wheel in .whl: run PATH=\$PWD/.venv/bin:\$PATH ../shared/gpu/prepare" >&2
+  echo "no xarray_gds wheel in .whl: run bash scripts/gpu-wheels.sh first" >&2
   exit 2
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-# EXTRA_SITE: a directory an earlier call on the same (warm) machine installed more
-# wheels into (e.g. the remote tests' moto stack, too large to carry with the rest)
+# EXTRA_SITE: a directory that more wheels were installed into beforehand (e.g. the
+# remote tests' moto stack, kept apart from .whl: see docs/development.md)
 export PYTHONPATH=/tmp/site${EXTRA_SITE:+:$EXTRA_SITE} PYTHONUNBUFFERED=1
+# the commit the wheels were made at (gpu-wheels.sh), for the benchmark's results
+if [ -s .whl/COMMIT ] && [ -z "${XARRAY_GDS_BENCH_COMMIT:-}" ]; then
+  XARRAY_GDS_BENCH_COMMIT=$(cat .whl/COMMIT)
+  export XARRAY_GDS_BENCH_COMMIT
+fi
 if [ -n "${EXTRA_SITE:-}" ] && [ ! -d "$EXTRA_SITE" ]; then
-  echo "EXTRA_SITE=$EXTRA_SITE is not on this machine (a fresh one): its tests skip" >&2
+  echo "EXTRA_SITE=$EXTRA_SITE does not exist: the tests of its packages skip" >&2
 fi
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the suite takes over 9 minutes in one process: spread it over GPU_WORKERS processes
-  # (pytest-xdist, carried as a wheel) that share the one GPU
+  # (pytest-xdist, one of the wheels) that share the one GPU
   # every worker's CuPy pool is capped (CUPY_GPU_MEMORY_LIMIT, CuPy's own setting) so
   # that the pools together hold at most 64% of the card: nvCOMP's own allocations,
   # CUDA contexts and the dask-cuda workers some tests start need the rest. Uncapped,

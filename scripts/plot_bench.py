@@ -8,13 +8,14 @@ that ``xarray-gds bench --json FILE`` writes.
 The chart has one bar per way of loading: gds-zarr's time against engine="zarr"'s in
 the same run (``seconds["zarr"] / seconds["gds-zarr"]``), on a log scale. Pairs with a
 suffix (``"gds-zarr chunks={}"`` against ``"zarr chunks={}"``) get bars of their own.
-A result with ``"chart": false`` is left out of the chart, not of the table. Extra
-keys the committed file adds to bench's results (``title``, ``date``, ``commit``,
-``command``) are optional: plain bench output draws too.
+A result with ``"chart": false`` is left out of the chart, not of the table. Each
+result of ``bench --json`` carries what the table shows besides the timings: its
+``title``, the ``date``, the ``commit`` and the ``command`` that measures it again
+(whose ``--size-gb`` and ``--repeat`` fill the "size, repeat" column); ``env.machine``
+names the machine in the chart's title. Results without them draw too.
 
 The SVG is written by hand (no plotting library) and is the same bytes for the same
-JSON; tests/test_docs_bench.py checks that the committed image matches the committed
-data.
+JSON; tests/test_docs.py checks that the committed image matches the committed data.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -22,6 +23,8 @@ import zarr.codecs as zc
 import xarray_gds
 from xarray_gds.codecs import crc32c, plan_chain
 from xarray_gds.tools import _text, cli, demo
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def sections(text: str) -> dict[str, str]:
@@ -905,3 +908,52 @@ def test_peak_device_bytes_counts_what_the_load_allocates() -> None:
     assert (40 << 20) <= peak < (41 << 20)
     # the default allocator is back
     assert cp.cuda.get_allocator() == cp.get_default_memory_pool().malloc
+
+
+def test_bench_json_holds_what_the_committed_data_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench --json`` writes the keys of docs/data/bench-*.json, so that
+    ``scripts/plot_bench.py --table`` fills every column of a fresh run."""
+    import datetime
+    import importlib.util
+
+    from xarray_gds.tools import bench
+
+    out_json = tmp_path / "out.json"
+    argv = ["bench", "--case", "host-zstd-4MB", "--size-gb", "0.01", "--repeat", "2"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    capsys.readouterr()
+    data = json.loads(out_json.read_text())
+    committed = json.loads((ROOT / "docs" / "data" / "bench-h100.json").read_text())
+    assert set(committed["env"]) <= set(data["env"])
+    assert set(committed["results"][0]) <= set(data["results"][0])
+    assert data["env"]["machine"].endswith(f", {os.cpu_count()} CPU cores")
+    assert "zarr " in data["env"]["software"] and "xarray " in data["env"]["software"]
+    (result,) = data["results"]
+    assert result["title"] == bench.TITLES["host-zstd-4MB"] == 'device="cpu", zstd'
+    assert result["date"] == datetime.datetime.now(datetime.UTC).date().isoformat()
+    assert re.fullmatch(r"[0-9a-f]{7,40}\+?|v\S+", result["commit"]), result["commit"]
+    # host-zstd-4MB keeps --repeat; a case that sets its own repeat records that one
+    assert result["command"] == "xarray-gds bench --case host-zstd-4MB --size-gb 0.01 --repeat 2"
+    assert bench.command("host-small-chunks", 0.5, 3) == (
+        "xarray-gds bench --case host-small-chunks --size-gb 0.5 --repeat 1"
+    )
+
+    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
+    assert spec is not None and spec.loader is not None
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    assert plot.main([str(out_json), "--table"]) == 0
+    table = capsys.readouterr().out
+    row = table.splitlines()[2]
+    assert "?" not in table
+    assert row.startswith('| `host-zstd-4MB` | device="cpu", zstd | 0.01 GB, 2 chunks |')
+    assert row.endswith(f"| 0.01, 2 | {result['date']} `{result['commit']}` |")
+
+
+def test_every_bench_case_has_a_title() -> None:
+    from xarray_gds.tools import bench
+
+    assert set(bench.TITLES) == set(bench.CASES)
+    assert all(bench.TITLES.values())

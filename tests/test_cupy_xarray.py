@@ -1,4 +1,4 @@
-"""GPU data through xarray's own calls (issue 16, item 8).
+"""GPU data through xarray's own calls.
 
 - xarray's own ``Dataset.to_zarr`` writes CuPy-backed datasets when the project's
   codec pipeline is selected in zarr's configuration: the arrays xarray creates then

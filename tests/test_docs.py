@@ -191,3 +191,43 @@ def test_bench_chart_pairs_suffixes_and_plain_output(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text(__import__("json").dumps(data))
     assert plot.main([str(tmp_path / "x.json"), str(out)]) == 0
     assert out.read_text() == image
+
+
+def test_the_comparison_figures_are_the_committed_runs() -> None:
+    """docs/comparison.md's measured table: each time is the committed bench JSON's,
+    and each GB/s is the case's decoded bytes over that time."""
+    import json
+
+    page = (DOCS / "comparison.md").read_text()
+    runs = {
+        "H200": ("bench-h200.json", "zstd-4MB"),
+        "H100": ("bench-h100.json", "usage-eager-2var"),
+    }
+    header = next(line for line in page.splitlines() if line.startswith("| route |"))
+    cards = [cell.split(":")[0].strip() for cell in header.strip("|").split("|")[1:]]
+    assert cards == ["H200", "H100"]
+    routes = {
+        '`engine="zarr"`': "zarr",
+        '`engine="gds-zarr"`': "gds-zarr",
+        "`raw-limit`": "raw-limit",
+        "`decode-only`": "decode-only",
+    }
+    checked = 0
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        name = next((n for prefix, n in routes.items() if cells[0].startswith(prefix)), None)
+        if name is None or len(cells) != 3:
+            continue
+        for card, cell in zip(cards, cells[1:], strict=True):
+            file, case = runs[card]
+            data = json.loads((DOCS / "data" / file).read_text())
+            (result,) = [r for r in data["results"] if r["case"] == case]
+            if not cell:
+                assert name not in result["seconds"]
+                continue
+            seconds = result["seconds"][name]
+            assert cell == f"{seconds:.3f} s ({result['nbytes'] / seconds / 1e9:.1f} GB/s)"
+            assert f"{card}: `--case {case}`" in header
+            assert set(result["command"].split()) >= {"--size-gb", "2", "--repeat", "3"}
+            checked += 1
+    assert checked == 7

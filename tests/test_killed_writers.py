@@ -1,4 +1,4 @@
-"""Writers killed with SIGKILL (issue 33.3): the store opens as it was before a step or
+"""Writers killed with SIGKILL: the store opens as it was before a step or
 after it, never in between, every chunk decodes, and ``xarray_gds.tidy`` removes what
 the killed write left without changing what the store reads.
 

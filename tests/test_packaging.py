@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tomllib
 from pathlib import Path
@@ -207,3 +208,66 @@ def test_check_dist_sdist(check_dist: ModuleType, tmp_path: Path) -> None:
         "sdist: holds .venv/bin/python, which no build needs",
         "sdist: lacks xarray_gds/__init__.py",
     ]
+
+
+# --- the wheels of a GPU machine without network access --------------------------------
+
+
+def _gpu_wheels(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-wheels.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+
+
+def test_gpu_wheels_default_list_covers_the_cuda13_extra() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    listed = _gpu_wheels("--list").stdout.split()
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+
+    # CuPy is the one package of the extra the GPU image is expected to have
+    wanted = {name(r) for r in extras["cuda13"]} - {"cupy-cuda13x"}
+    wanted |= {"dask", "distributed", "pytest-asyncio", "pytest-timeout", "cftime", "zarr"}
+    assert wanted <= set(listed)
+    assert {"pytest-xdist", "dask-cuda", "numcodecs"} <= set(listed)
+
+
+def test_gpu_wheels_dry_run_prints_the_downloads_and_the_project_wheel(tmp_path: Path) -> None:
+    out = tmp_path / "wheels"
+    done = _gpu_wheels("--dry-run", "--dir", str(out), "Cftime==1.6.6.1")
+    assert done.returncode == 0, done.stderr
+    download, wheel, *rest = [line for line in done.stdout.splitlines() if line.startswith("+ ")]
+    words = download.split()
+    assert words[1:4] == [sys.executable, "-m", "pip"] and words[4] == "download"
+    for option in ("--only-binary=:all:", "--no-deps", "--platform"):
+        assert option in words
+    assert words[words.index("--python-version") + 1] == "3.12"
+    assert words[words.index("-d") + 1] == str(out)
+    assert "manylinux_2_28_x86_64" in words and "kvikio-cu13" in words
+    # a default the arguments name again is left to them: cftime once, pinned
+    assert [w for w in words if w.lower().startswith("cftime")] == ["Cftime==1.6.6.1"]
+    assert wheel.split()[1:] == [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "-w",
+        str(out),
+        ".",
+    ]
+    assert all(line.startswith("+ echo ") for line in rest)
+    assert not out.exists()  # a dry run makes nothing
+
+
+def test_gpu_wheels_rejects_unknown_options() -> None:
+    done = _gpu_wheels("--bogus")
+    assert done.returncode == 2
+    assert "unknown option --bogus" in done.stderr
+    assert "--python-version V" in _gpu_wheels("--help").stdout

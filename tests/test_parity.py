@@ -1,5 +1,5 @@
 """engine="gds-zarr" takes every argument engine="zarr" takes and reads every variable
-engine="zarr" round-trips (issue 16, items 1 and 2); each case compared with it."""
+engine="zarr" round-trips; each case compared with it."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def tree_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# -- item 1: arguments --------------------------------------------------------------
+# -- arguments ---------------------------------------------------------------------
 
 
 def _parameters(func: Callable[..., Any]) -> set[str]:
@@ -279,7 +279,7 @@ def test_xarray_arguments_match_zarr(v3_path: Path, device: str, kwargs: dict[st
     assert_same(gds, ref, device)
 
 
-# -- item 2: variables --------------------------------------------------------------
+# -- variables ---------------------------------------------------------------------
 
 _STRINGS = np.array(["a", "bcd", "", "é"], dtype=object)
 
@@ -464,13 +464,13 @@ def test_fill_value_mask_argument_is_checked(v3_path: Path) -> None:
 def test_fill_value_mask_false_as_xarray_store(
     tmp_path: Path, device: str, zarr_format: Literal[2, 3], mask_and_scale: bool
 ) -> None:
-    """``_FillValue`` set through encoding, read with ``use_zarr_fill_value_as_mask=False``
-    (issue 30, item 6/7.2). In Zarr v2 xarray stores it as the array's ``fill_value``
-    only, so the argument (ignore that) leaves no ``_FillValue`` attribute and no mask:
-    what ``xarray.backends.ZarrStore.open_group`` reads. ``engine="zarr"`` passes None
-    for the argument whatever it is given (pydata/xarray#10269) and so reports and
-    masks with it; if the last assertion fails, xarray now applies the argument and
-    both engines read the same: compare with engine="zarr" directly then."""
+    """``_FillValue`` set through encoding, read with ``use_zarr_fill_value_as_mask=False``.
+    In Zarr v2 xarray stores it as the array's ``fill_value`` only, so the argument
+    (ignore that) leaves no ``_FillValue`` attribute and no mask: what
+    ``xarray.backends.ZarrStore.open_group`` reads. ``engine="zarr"`` passes None for the
+    argument whatever it is given (pydata/xarray#10269) and so reports and masks with it;
+    if the last assertion fails, xarray now applies the argument and both engines read
+    the same: compare with engine="zarr" directly then."""
     ds = xr.Dataset({"a": (("y", "x"), np.arange(12, dtype="f4").reshape(3, 4))})
     ds["a"].encoding["_FillValue"] = 5.0  # the value at [1, 1]
     path = tmp_path / "fill.zarr"

@@ -1,4 +1,4 @@
-"""Remote stores (issue 17), host route: real loopback servers, no client mocks.
+"""Remote stores, host route: real loopback servers, no client mocks.
 
 A moto S3 server and a stdlib HTTP server that honours Range requests, both on
 127.0.0.1 with a free port, started and stopped by the fixtures. Stores are written by
@@ -383,7 +383,7 @@ def test_fsspec_and_object_store_objects(s3, s3_store):
     xr.testing.assert_identical(xr.open_dataset(store, engine="gds-zarr", device="cpu").load(), ref)
 
 
-# --- faults: connections cut, slow or refused servers (issue 17, item 5) ---------------
+# --- faults: connections cut, slow or refused servers ---------------------------------
 
 
 class _FaultServer(http.server.ThreadingHTTPServer):
@@ -746,7 +746,7 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
         ds.t.load()
 
 
-# --- no secret in any message, on any path (issue 29) ------------------------------
+# --- no secret in any message, on any path ------------------------------------------
 
 URL_SECRET = "urlpass-7f3c9e1d"  # the password of a URL's user information
 OPTION_SECRET = "optsecret-41b2a8c0"  # a password in storage_options

@@ -1,4 +1,4 @@
-"""Every way users write (issue 33): append loops, ``compute=False`` templates filled by
+"""Every way users write: append loops, ``compute=False`` templates filled by
 ``region=`` writes (from several processes too), dask-backed datasets, sharded v3
 stores, v2 and v3, Blosc. Each pattern is run through ``xarray_gds.to_zarr`` and through
 xarray's own ``to_zarr`` with the same calls and the same values, and the two stores

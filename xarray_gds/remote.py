@@ -1,6 +1,6 @@
 """Remote Zarr stores (``s3://``, ``http://``, ``https://``): opened through fsspec.
 
-This is the host route of issue 17: chunk bytes come through zarr's
+This is the host route: chunk bytes come through zarr's
 :class:`~zarr.storage.FsspecStore` (s3fs for S3, fsspec's HTTP filesystem for HTTP)
 and are read by the engine's :class:`~xarray_gds.sources.StoreSource`, then decoded
 in the same batches as local chunks. Credentials, endpoint and region come from

@@ -1,10 +1,10 @@
-"""asv benchmarks of Icechunk reads (issue 32): every variable of an Icechunk repository
+"""asv benchmarks of Icechunk reads: every variable of an Icechunk repository
 on local filesystem storage (two float32 variables, 4 MiB zstd chunks) loaded from one
 read-only session, by engine="gds-zarr" (chunks read where Icechunk says they lie)
 against engine="zarr" on the same session (``IcechunkStore.get``), eagerly and with
 ``chunks={}``; ``xarray-gds bench --case icechunk-2var`` runs the same loads.
 
-Sizes come from ``XARRAY_GDS_BENCH_GB`` (default 0.25; the issue's figure uses 2). The
+Sizes come from ``XARRAY_GDS_BENCH_GB`` (default 0.25; the documented figures use 2). The
 loads go to the GPU (CuPy, ``cupy.asarray`` after engine="zarr") when one is usable;
 without one they stay on the host, at a fiftieth of the size (a smoke test, as the
 ``host-icechunk-2var`` bench case). Skipped (NotImplementedError) without ``icechunk``.

@@ -1,10 +1,10 @@
-"""asv benchmarks of training batches (issue 31): an epoch of xarray_gds.BatchLoader
+"""asv benchmarks of training batches: an epoch of xarray_gds.BatchLoader
 over an ERA5-like store against the same batches read with engine="zarr" one sample at
 a time (the map-style dataset of a PyTorch DataLoader, here without worker processes;
 ``xarray-gds bench --case loader-16x20`` runs the DataLoader with workers).
 
 Sizes come from ``XARRAY_GDS_BENCH_GB`` (default 0.25: the 73 x 144 grid of a smoke
-test; 8.3 gives the issue's 100 steps of 721 x 1440). Batches are read on the GPU when
+test; 8.3 gives 100 steps of 721 x 1440). Batches are read on the GPU when
 one is usable, else on the host.
 """
 

@@ -103,7 +103,7 @@ def teardown_cache(path: str) -> None:  # pragma: no cover - asv hook name
 
 
 class Usage:
-    """The ways users load data (issue 15), each the same call through both engines:
+    """The ways users load data, each the same call through both engines:
     the usage-* cases of ``xarray-gds bench`` (see ``bench.CASES``)."""
 
     params: ClassVar[list[str]] = [
@@ -145,8 +145,8 @@ class Usage:
 
 
 class NetcdfRefs:
-    """A NetCDF4 file (zlib 1 + shuffle) read through its kerchunk references (issue
-    18): gds-zarr against h5netcdf and engine="zarr" over the same references, eager
+    """A NetCDF4 file (zlib 1 + shuffle) read through its kerchunk references:
+    gds-zarr against h5netcdf and engine="zarr" over the same references, eager
     and with ``chunks={}`` (the ``netcdf-refs`` case of ``xarray-gds bench``)."""
 
     params: ClassVar[list[str]] = [

@@ -43,6 +43,7 @@ from xarray_gds.tools._stores import write_blocks
 __all__ = [
     "CASES",
     "EXTRAS",
+    "TITLES",
     "Result",
     "WarningTally",
     "make_store",
@@ -405,7 +406,7 @@ def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[
 
     def contenders(p: Path) -> dict[str, Callable[[], Any]]:
         # raw-limit: every chunk read by kvikio and decoded in one nvCOMP call (the
-        # 75% target of issue 15 is against it)
+        # bound the engine's load is measured against)
         if kind == "eager":
             return {
                 "gds-zarr": lambda: _gds(p).load(),
@@ -775,7 +776,7 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
     # one reduction over many stores on a dask cluster of 1, 2, 4 and 8 GPUs (those the
-    # machine has) and engine="zarr" on a CPU cluster (issue 19; xarray_gds.tools.bench_cluster)
+    # machine has) and engine="zarr" on a CPU cluster (xarray_gds.tools.bench_cluster)
     "multi-gpu-mfdataset": {
         "gpu": False,  # on the host: a smoke test of the case
         "needs": ("dask", "distributed"),
@@ -786,7 +787,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": bench_cluster.contenders,
         "note": bench_cluster.note,
     },
-    # the ways users load data (issue 15): each a ratio against engine="zarr" doing
+    # the ways users load data: each a ratio against engine="zarr" doing
     # the same call, then moving every variable's values to the GPU
     "usage-eager-2var": {
         "gpu": True,
@@ -875,7 +876,7 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, True),
         },
     },
-    # issue 17: a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
+    # a >= 1 GB zstd store on a loopback S3 server (moto), same URL for all
     "remote-s3-zstd-4MB": {
         "gpu": True,
         "needs": _S3,
@@ -888,7 +889,7 @@ CASES: dict[str, dict[str, Any]] = {
             "fetching every chunk object to the host without decoding it"
         ),
     },
-    # issue 18: a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
+    # a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
     "netcdf-refs": {
         "gpu": True,
         "needs": _REFS,
@@ -916,7 +917,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": bench_refs.host_contenders,
         "note": bench_refs.note,
     },
-    # issue 32: Icechunk repositories (local filesystem storage; virtual references)
+    # Icechunk repositories (local filesystem storage; virtual references)
     "icechunk-2var": {
         "gpu": True,
         "needs": _ICECHUNK,
@@ -973,10 +974,10 @@ CASES: dict[str, dict[str, Any]] = {
             "zarr": lambda: _load_zarr(p, False),
         },
     },
-    # issue 31: training batches from an ERA5-like store, against a PyTorch DataLoader
+    # training batches from an ERA5-like store, against a PyTorch DataLoader
     # with engine="zarr" in worker processes (xarray_gds.tools.bench_loader)
     **bench_loader.cases(),
-    # issue 33: the ways users write (xarray_gds.tools.bench_write)
+    # the ways users write (xarray_gds.tools.bench_write)
     **bench_write.cases(),
 }
 
@@ -1001,7 +1002,158 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def dump(results: list[Result], path: Path) -> None:
-    """Write results as JSON (for docs/performance.md and later comparisons)."""
-    env = {"cuda": _device.cuda_status()[0], "cpus": os.cpu_count()}
-    path.write_text(json.dumps({"env": env, "results": [asdict(r) for r in results]}, indent=2))
+#: what each case times, in a few words (the "what is timed" column of
+#: docs/performance.md's tables, made by ``scripts/plot_bench.py --table``)
+TITLES = {
+    "zstd-4MB": "open_dataset(p).t.values, zstd",
+    "blosc-v2-4MB": "open_dataset(p).t.values, Zarr v2, Blosc (lz4, shuffle)",
+    "zstd-sharded-256KiB": "open_dataset(p).t.values, 16 MiB shards of 256 KiB chunks",
+    "mfdataset-50": 'open_mfdataset of 50 stores, .t.mean("time")',
+    "multi-gpu-mfdataset": "64 stores, ds.t.mean() on a dask cluster",
+    "usage-eager-2var": "open_dataset(p).load(), 2 variables",
+    "usage-chunks-2var": "open_dataset(p, chunks={}).compute(), 2 variables",
+    "usage-async-2var": "await ds.load_async(), 2 variables",
+    "usage-step-1chunk": "8 x isel(time=i).load()",
+    "usage-step-16chunks": "4 x isel(time=16 steps).load()",
+    "usage-step-20vars": "4 x isel(time=i).load(), 20 variables",
+    "usage-sharded-chunks": "chunks={}, sharded: a dask block per inner chunk",
+    "usage-sharded-shards": "sharded: a dask block per shard",
+    "usage-blosc-chunks": "chunks={}, Zarr v2, Blosc (lz4, shuffle)",
+    "write-zstd-4MB": "xarray_gds.to_zarr vs ds.as_numpy().to_zarr(), zstd",
+    "memory-zstd-4MB": "zstd-4MB with smaller batch budgets",
+    "small-chunks": "open_dataset(p).t.values, chunks of 1-2 KiB",
+    "remote-s3-zstd-4MB": "s3:// on a loopback moto server (zarr via s3fs)",
+    "netcdf-refs": "NetCDF4 (zlib + shuffle) via kerchunk references",
+    "netcdf-refs-1MiB": "NetCDF4 via kerchunk references, 1 MiB chunks",
+    "host-netcdf-refs": 'device="cpu", NetCDF4 via kerchunk references',
+    "icechunk-2var": "Icechunk repository (local storage), 2 variables",
+    "icechunk-virtual": "Icechunk repository of virtual chunks in a NetCDF4 file",
+    "host-icechunk-2var": 'device="cpu", Icechunk repository, 2 variables',
+    "host-icechunk-virtual": 'device="cpu", Icechunk virtual chunks in a NetCDF4 file',
+    "host-small-chunks": 'device="cpu", chunks of 1-2 KiB',
+    "host-zstd-4MB": 'device="cpu", zstd',
+    "loader-16x20": "BatchLoader, 16 samples x 20 steps, against torch DataLoader",
+    "loader-4x4": "BatchLoader, 4 samples x 4 steps, against torch DataLoader",
+    "loader-16x20-train": "BatchLoader, 16 x 20, with a training step per batch",
+    "write-append-100": "100 appends of one time step",
+    "write-region": "a template, then one region write per chunk",
+    "write-dask": "open_dataset(p, chunks={}) written (read and write timed)",
+    "write-sharded": "an eager write into shards of inner chunks",
+    "write-blosc-v2": "an eager write, Zarr v2, Blosc (lz4, shuffle)",
+}
+
+
+#: the distributions whose versions ``environment`` reports, where installed
+_SOFTWARE = (
+    "kvikio-cu13",
+    "kvikio-cu12",
+    "nvidia-nvcomp-cu13",
+    "nvidia-nvcomp-cu12",
+    "cupy-cuda13x",
+    "cupy-cuda12x",
+    "zarr",
+    "xarray",
+    "numcodecs",
+    "numpy",
+)
+
+
+def _versions(names: tuple[str, ...]) -> list[str]:
+    """``"NAME VERSION"`` for each distribution of ``names`` that is installed."""
+    from importlib import metadata
+
+    out = []
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out.append(f"{name} {metadata.version(name)}")
+    return out
+
+
+def environment() -> dict[str, Any]:
+    """The machine and software a run measured: the ``env`` of ``--json``'s output
+    (``machine`` names the GPU, the card the chart's title gives)."""
+    import platform
+
+    cuda, _ = _device.cuda_status()
+    cpus = os.cpu_count()
+    if cuda:
+        runtime = _device.cupy().cuda.runtime
+        names = [runtime.getDeviceProperties(i)["name"] for i in range(runtime.getDeviceCount())]
+        card = names[0].decode() if isinstance(names[0], bytes) else str(names[0])
+        card = card if len(names) == 1 else f"{len(names)} x {card}"
+    else:
+        card = f"no GPU ({platform.machine() or 'CPU'})"
+    software = _versions(_SOFTWARE)
+    software += [
+        f"{k}={os.environ[k]}" for k in ("KVIKIO_NTHREADS", "KVIKIO_COMPAT_MODE") if k in os.environ
+    ]
+    return {
+        "cuda": cuda,
+        "cpus": cpus,
+        "machine": f"{card}, {cpus} CPU cores",
+        "software": ", ".join(software),
+        "page_cache": "warm",  # every case reads its store once before timing it
+    }
+
+
+def commit() -> str:
+    """The commit the engine ran at: ``XARRAY_GDS_BENCH_COMMIT`` where set (a machine
+    with a copy of the tree but no git history), else the short hash of the git
+    checkout the package was imported from (``+`` when it has uncommitted changes),
+    else the package's version."""
+    import subprocess
+
+    import xarray_gds
+
+    if os.environ.get("XARRAY_GDS_BENCH_COMMIT"):
+        return os.environ["XARRAY_GDS_BENCH_COMMIT"]
+    root = Path(xarray_gds.__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    try:
+        top = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10
+        )
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+            head = subprocess.run(
+                [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            dirty = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no", "--", "xarray_gds"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            if head:
+                return head + ("+" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"v{xarray_gds.__version__}"
+
+
+def command(case: str, size_gb: float, repeat: int) -> str:
+    """The command that measures ``case`` again, with the size and the number of timed
+    runs it ran with (a case that sets its own ``repeat`` runs that many)."""
+    rep = CASES[case].get("repeat", repeat) if case in CASES else repeat
+    return f"xarray-gds bench --case {case} --size-gb {size_gb:g} --repeat {rep}"
+
+
+def dump(results: list[Result], path: Path, size_gb: float = 2.0, repeat: int = 3) -> None:
+    """Write results as JSON, in the form of ``docs/data/bench-*.json``: the machine and
+    software (``env``), and for each case its timings with its title, the date, the
+    commit and the command that measures it again (``size_gb`` and ``repeat``: those
+    of the run)."""
+    import datetime
+
+    date = datetime.datetime.now(datetime.UTC).date().isoformat()
+    head = commit()
+    rows = [
+        {
+            **asdict(r),
+            "title": TITLES.get(r.case, ""),
+            "date": date,
+            "commit": head,
+            "command": command(r.case, size_gb, repeat),
+        }
+        for r in results
+    ]
+    path.write_text(json.dumps({"env": environment(), "results": rows}, indent=2))

@@ -1,4 +1,4 @@
-"""The ``icechunk-*`` benchmark cases (issue 32): Icechunk repositories.
+"""The ``icechunk-*`` benchmark cases: Icechunk repositories.
 
 ``icechunk-2var``: the case's Zarr store (4 MiB zstd chunks, two variables ``t`` and
 ``v1``) copied into an Icechunk repository on local filesystem storage, then every

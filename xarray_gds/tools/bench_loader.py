@@ -1,4 +1,4 @@
-"""The ``loader-*`` benchmark cases (issue 31): training batches from an ERA5-like store.
+"""The ``loader-*`` benchmark cases: training batches from an ERA5-like store.
 
 The store: 20 float32 variables of ``time x 721 x 1440`` in chunks of one time step
 (4 MiB, zstd level 1), the number of steps set by ``--size-gb`` (about 83 MB a step;
@@ -261,7 +261,7 @@ def cases() -> dict[str, dict[str, Any]]:
         out[name] = {
             "gpu": False,  # runs on the host too (numpy batches, a 2-worker DataLoader)
             "named_only": True,  # a store of 8.3 GB a case: run with --case
-            "scale": 4.15,  # --size-gb 2: 100 time steps (8.3 GB), as in the issue
+            "scale": 4.15,  # --size-gb 2: 100 time steps (8.3 GB)
             "repeat": 1,
             "make": lambda path, nbytes, batch=batch, **kw: make_era5(path, nbytes, batch),
             "store": {},

@@ -1,4 +1,4 @@
-"""The ``netcdf-refs`` benchmark cases (issue 18): a NetCDF4 file read through its
+"""The ``netcdf-refs`` benchmark cases: a NetCDF4 file read through its
 kerchunk references.
 
 The case's Zarr store is written again as one NetCDF4 file (zlib level 1 and HDF5's
@@ -136,7 +136,7 @@ def host_contenders(store: Path) -> dict[str, Callable[[], Any]]:
 
 def note(result: Any) -> str:
     """gds-zarr against the faster of h5netcdf and engine="zarr" over the references
-    (the issue's target: >= 8x), eagerly and with ``chunks={}``."""
+    (the project's goal: >= 8x), eagerly and with ``chunks={}``."""
     parts = []
     for suffix in ("", " chunks={}"):
         ours = result.seconds.get(f"gds-zarr{suffix}")

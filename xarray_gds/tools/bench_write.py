@@ -1,4 +1,4 @@
-"""The write benchmark cases of issue 33: the ways users write, each timed for
+"""The write benchmark cases: the ways users write, each timed for
 ``xarray_gds.to_zarr`` (values in GPU memory, encoded by nvCOMP) against xarray's own
 ``to_zarr`` of the same values brought to host memory with ``.as_numpy()`` (zarr-python
 encodes), doing the same calls:

@@ -556,7 +556,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         for line in tally.lines():
             print(f"  {line}")
     if args.json:
-        bench.dump(results, Path(args.json))
+        bench.dump(results, Path(args.json), size_gb=args.size_gb, repeat=args.repeat)
         print(f"results written to {args.json}")
     if not results:
         _text.error("bench", "none of the cases asked for ran (see the lines above)")
