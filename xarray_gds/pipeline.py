@@ -464,7 +464,15 @@ async def _shard_index(chain: ShardChain, byte_getter: Any) -> _Index | None:
     size of the shard in bytes (what the table is checked against before any read)."""
     n = chain.index_nbytes
     key = byte_getter.path
-    found = await stores.source_for(byte_getter.store).read_end(key, n, chain.index_at_end)
+    try:
+        found = await stores.source_for(byte_getter.store).read_end(key, n, chain.index_at_end)
+    except IsADirectoryError:
+        raise ChunkDecodeError(
+            key,
+            "sharding_indexed",
+            "a directory stands where the shard file should be: remove it (or restore "
+            "the shard from a backup) to read the shard's chunks as the fill value",
+        ) from None
     if found is None:
         return None
     raw, shard_nbytes = found

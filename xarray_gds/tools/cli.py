@@ -490,7 +490,8 @@ def _run_info(args: argparse.Namespace) -> int:
     else:
         arrays = [node]
         kind = "array"
-    shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else store
+    # a URL without its user information; a path as it was given
+    shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else args.path
     if args.json:
         import json
 
