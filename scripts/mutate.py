@@ -334,8 +334,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "sources:get-ranges-member-misplaced",
         "stores/generic.py",
-        "found[members[j]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
-        "found[members[0]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
+        "found[members[j]] = _exactly(buf, key, wanted[j])",
+        "found[members[0]] = _exactly(buf, key, wanted[j])",
         "tests/test_sources.py",
         T_PIPELINE,
     ),
