@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "xarray_gds"
 #: directories whose tracked files all belong in the sdist
 SDIST_DIRS = (PACKAGE, "tests", "docs", "constraints", "scripts")
-#: files outside them that the sdist needs: the build reads the first two, the docs
+#: files outside them that the sdist needs: the build reads the first three, the docs
 #: mkdocs.yml, the tests of the docs' examples CONTRIBUTING.md
-SDIST_FILES = ("pyproject.toml", "README.md", "mkdocs.yml", "CONTRIBUTING.md")
+SDIST_FILES = ("pyproject.toml", "README.md", "LICENSE", "mkdocs.yml", "CONTRIBUTING.md")
 #: path parts and name endings that never belong in a distribution
 JUNK_PARTS = {
     ".git",

@@ -155,10 +155,10 @@ MUTANTS: list[Mutant] = [
         'if device_blocks and lazy.array.device == "cuda":',
         f"{T_HOST}::test_fuse_warns_once_for_device_arrays_with_host_blocks",
     ),
-    # io/local.py: local reads
+    # stores/files.py: local reads
     _m(
         "store:short-range-accepted",
-        "io/local.py",
+        "stores/files.py",
         "if len(data) != size:",
         "if len(data) > size:",
         T_STORE,
@@ -166,7 +166,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "store:range-end-off-by-one",
-        "io/local.py",
+        "stores/files.py",
         "return start, max(0, min(byte_range.end, size) - start)",
         "return start, max(0, min(byte_range.end, size) - start - 1)",
         T_STORE,
@@ -305,10 +305,10 @@ MUTANTS: list[Mutant] = [
         T_COALESCE,
         f"{T_HOST}::test_joined_and_picked_keys",
     ),
-    # sources.py: byte ranges of any store
+    # stores/base.py: the registry of store kinds; byte ranges of any store
     _m(
         "sources:range-offset-dropped",
-        "sources.py",
+        "stores/base.py",
         "at = int(starts[i]) - start",
         "at = int(starts[i])",
         f"{T_HOST}::test_ranges_joined_into_spans_are_cut_back_exactly",
@@ -317,7 +317,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "sources:merge-across-keys",
-        "sources.py",
+        "stores/base.py",
         "if same and start <= e0 + gap:",
         "if start <= e0 + gap:",
         f"{T_HOST}::test_ranges_joined_into_spans_are_cut_back_exactly",
@@ -325,7 +325,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "sources:span-end-not-max",
-        "sources.py",
+        "stores/base.py",
         "spans[-1] = (first, s0, max(e0, end), members)",
         "spans[-1] = (first, s0, end, members)",
         f"{T_HOST}::test_ranges_joined_into_spans_are_cut_back_exactly",
@@ -333,23 +333,54 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "sources:get-ranges-member-misplaced",
-        "sources.py",
-        "found[members[j]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
-        "found[members[0]] = np.asarray(buf.as_numpy_array()).view(np.uint8)",
+        "stores/generic.py",
+        "found[members[j]] = _exactly(buf, key, wanted[j])",
+        "found[members[0]] = _exactly(buf, key, wanted[j])",
         "tests/test_sources.py",
         T_PIPELINE,
     ),
-    # remote.py and refs.py: the parts of the GPU paths that need no GPU
+    _m(
+        "stores:registry-order-ignored",
+        "stores/base.py",
+        "_KINDS.insert(_KINDS.index(before) if before is not None else len(_KINDS), kind)",
+        "_KINDS.insert(0, kind)",
+        "tests/test_store_kinds.py",
+    ),
+    _m(
+        "stores:held-store-read-as-any",
+        "stores/base.py",
+        'store = getattr(store, "chunks_in", store)',
+        "pass",
+        "tests/test_store_kinds.py",
+        "tests/test_writers.py",
+    ),
+    # stores/lock.py: one writer at a time
+    _m(
+        "lock:shared-flock",
+        "stores/lock.py",
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+        "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:memory-lock-not-waited",
+        "stores/lock.py",
+        "if not lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):",
+        "if not lock.acquire(blocking=False) and False:",
+        "tests/test_writers.py",
+        "tests/test_store_kinds.py",
+    ),
+    # stores/remote.py and stores/refs.py: the parts of the GPU paths that need no GPU
     Mutant(
         "remote:short-read-accepted",
-        "xarray_gds/remote.py",
+        "xarray_gds/stores/remote.py",
         "if future.get() != sizes[i]:",
         "if future.get() > sizes[i]:",
         (f"{T_HOST}::test_read_device_retries_short_reads",),
     ),
     Mutant(
         "refs:last-remote-ref-dropped",
-        "xarray_gds/refs.py",
+        "xarray_gds/stores/refs.py",
         "parallel(one, len(which), min_items=2)\n    return got",
         "parallel(one, len(which) - 1, min_items=2)\n    return got",
         (f"{T_HOST}::test_remote_references_read_over_http",),

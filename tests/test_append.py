@@ -25,7 +25,7 @@ import pytest
 import xarray as xr
 
 import xarray_gds
-from xarray_gds.store import is_metadata_key
+from xarray_gds.stores.local import is_metadata_key
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -218,13 +218,13 @@ def test_failed_new_variables_leave_dataset(
 
 
 class _Writes:
-    """``xarray_gds.io.local.write_file`` counted for the chunk files of one store: how many
+    """``xarray_gds.stores.files.write_file`` counted for the chunk files of one store: how many
     are running; the ``fail_at``-th one (1-based) fails with ENOSPC once a later chunk
     write has started, and the writes around it wait (at most ``hold`` seconds) for the
     test to see ``to_zarr`` return, so that writes are still in flight when it fails."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path, fail_at: int | None) -> None:
-        from xarray_gds.io import local as local_io
+        from xarray_gds.stores import files as local_io
 
         self.real = local_io.write_file
         self.root = os.path.realpath(root) + os.sep

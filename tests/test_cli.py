@@ -241,6 +241,18 @@ def _v3_store(path: Path) -> Path:
     return path
 
 
+def test_info_names_a_relative_path_as_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _v2_store(tmp_path / "rel.zarr")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["info", "rel.zarr", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "rel.zarr" in out and "file://" not in out
+    assert cli.main(["info", "rel.zarr", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["store"] == "rel.zarr"
+
+
 def test_info_v2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _v2_store(tmp_path / "v2.zarr")
     assert cli.main(["info", str(path), "--device", "cuda"]) == 0

@@ -136,6 +136,20 @@ def test_damaged_shard_index_is_named(tmp_path: Path, device: str, damage: str, 
 
 
 @pytest.mark.parametrize("route", ROUTES)
+def test_directory_in_place_of_a_shard_is_named(tmp_path: Path, device: str, route: str) -> None:
+    """A directory where a shard's file should be fails naming the shard key and the
+    array, as a damaged shard does (engine="zarr" reads it as the fill value)."""
+    path = _sharded(tmp_path / "s.zarr")
+    shard = path / "v" / "c" / "0" / "0" / "0"
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(ChunkDecodeError, match=r"'v/c/0/0/0'.*directory") as err:
+        _read(path, device, route)
+    assert err.value.key == "v/c/0/0/0" and err.value.array == "v"
+    assert "'v'" in str(err.value)
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize(
     ("crc", "location", "match"),
     [

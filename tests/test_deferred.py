@@ -2,7 +2,7 @@
 failed write (:mod:`xarray_gds.deferred`) waits for its chunk writes still in flight
 (zarr-python lets the other writes of a failed gather run on), removes what they made
 and refuses later ones, over memory and local stores
-(:class:`~xarray_gds.store.GdsStore`); a local range that comes back short
+(:class:`~xarray_gds.stores.local.GdsStore`); a local range that comes back short
 (its file truncated between the size read and the read) is an error naming the chunk,
 never data."""
 
@@ -22,10 +22,10 @@ import zarr.storage
 from zarr.core.buffer import cpu
 from zarr.core.sync import sync
 
-import xarray_gds.io.local
+import xarray_gds.stores.files
 from xarray_gds.deferred import HeldMetadataStore
-from xarray_gds.io.local import read_ranges_host
-from xarray_gds.store import GdsStore
+from xarray_gds.stores.files import read_ranges_host
+from xarray_gds.stores.local import GdsStore
 
 ARRAY_META = b'{"zarr_format": 3, "node_type": "array"}'
 
@@ -257,7 +257,7 @@ def test_shard_truncated_between_its_index_and_its_read_names_the_chunk(
     path = tmp_path / "sharded.zarr"
     shutil.copytree(store_factory(3, "sharded"), path)
     shard = "t2m/c/1/1/1"
-    real = xarray_gds.io.local.read_ranges_host
+    real = xarray_gds.stores.files.read_ranges_host
     cut: list[str] = []
 
     def truncating(paths: list[Any], starts: np.ndarray, sizes: np.ndarray) -> Any:
@@ -268,7 +268,7 @@ def test_shard_truncated_between_its_index_and_its_read_names_the_chunk(
                     f.truncate(int(max(s + n for s, n in zip(starts, sizes, strict=True))) - 1)
         return real(paths, starts, sizes)
 
-    monkeypatch.setattr(xarray_gds.io.local, "read_ranges_host", truncating)
+    monkeypatch.setattr(xarray_gds.stores.files, "read_ranges_host", truncating)
     ds = xr.open_dataset(path, engine="gds-zarr", device="cpu")
     with pytest.raises(OSError, match=rf"short read from \S*/{shard}: got \d+ of \d+ bytes"):
         ds.t2m.load()

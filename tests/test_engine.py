@@ -771,16 +771,16 @@ def _buffer(data: bytes) -> Any:
 def test_sources_read_mixed_kinds_in_key_order(v3_store: Path) -> None:
     from zarr.storage import LocalStore
 
-    from xarray_gds import sources
-    from xarray_gds.store import GdsStore
+    from xarray_gds import stores
+    from xarray_gds.stores.local import GdsStore
 
     keys = [*sorted(k for k in _keys(v3_store) if k.startswith("t2m/c/"))[:4], "t2m/c/9/9/9"]
-    local = sources.source_for(GdsStore(v3_store, read_only=True))
-    other = sources.source_for(LocalStore(v3_store, read_only=True))
-    assert isinstance(local, sources.LocalSource) and isinstance(other, sources.StoreSource)
+    local = stores.source_for(GdsStore(v3_store, read_only=True))
+    other = stores.source_for(LocalStore(v3_store, read_only=True))
+    assert isinstance(local, stores.LocalSource) and isinstance(other, stores.StoreSource)
     picks = [local, other, local, other, other]
     locations = [s.locate([k])[0] for s, k in zip(picks, keys, strict=True)]
-    got = sources.read(picks, locations, False, None)
+    got = stores.read(picks, locations, False, None)
     for key, data in zip(keys[:4], got[:4], strict=True):
         assert bytes(data) == (v3_store / key).read_bytes()
     assert got[4] is None  # missing everywhere
@@ -789,14 +789,14 @@ def test_sources_read_mixed_kinds_in_key_order(v3_store: Path) -> None:
 def test_merge_ranges_joins_ranges_of_one_key_across_small_gaps() -> None:
     from types import SimpleNamespace
 
-    from xarray_gds import sources
+    from xarray_gds import stores
 
     a, b = SimpleNamespace(store=object()), SimpleNamespace(store=object())
     srcs = [a, a, a, b, a, a]
     locations = ["s/c/0", "s/c/0", "s/c/0", "s/c/0", "s/c/1", "s/c/0"]
     starts = np.array([100, 0, 40, 0, 0, 5000])
     sizes = np.array([50, 30, 20, 10, 8, 10])
-    spans = sources.merge_ranges(srcs, locations, starts, sizes, gap=50)
+    spans = stores.merge_ranges(srcs, locations, starts, sizes, gap=50)
     got = sorted((locations[f], srcs[f] is a, s, e, sorted(m)) for f, s, e, m in spans)
     assert got == [
         ("s/c/0", False, 0, 10, [3]),  # another store's key of the same name: apart
@@ -805,7 +805,7 @@ def test_merge_ranges_joins_ranges_of_one_key_across_small_gaps() -> None:
         ("s/c/1", True, 0, 8, [4]),
     ]
     # gap 0: only ranges that touch or overlap
-    touching = sources.merge_ranges(
+    touching = stores.merge_ranges(
         [a, a, a], ["k"] * 3, np.array([0, 10, 25]), np.array([10, 10, 5]), 0
     )
     assert sorted((s, e) for _, s, e, _ in touching) == [(0, 20), (25, 30)]

@@ -20,10 +20,11 @@ import pytest
 import xarray as xr
 import zarr
 
-from xarray_gds import coalesce, decode, fuse, refs, remote, route, sources
+from xarray_gds import coalesce, decode, fuse, route, stores
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, plan_chain
-from xarray_gds.store import GdsStore
+from xarray_gds.stores import refs, remote
+from xarray_gds.stores.local import GdsStore
 
 # -- the decode route -------------------------------------------------------------------
 
@@ -240,7 +241,7 @@ def _all_chunks(path: Path, name: str = "t2m") -> tuple[Any, list[str], list[Any
     chain = plan_chain(array.metadata)
     grid = [-(-s // c) for s, c in zip(array.shape, array.chunks, strict=True)]
     keys = [f"{name}/{array.metadata.encode_chunk_key(tuple(i))}" for i in np.ndindex(*grid)]
-    source = sources.source_for(GdsStore(path, read_only=True))
+    source = stores.source_for(GdsStore(path, read_only=True))
     fetched = source.read_all([source] * len(keys), source.locate(keys), False, None)
     return chain, keys, fetched
 
@@ -438,7 +439,7 @@ def test_ranges_joined_into_spans_are_cut_back_exactly() -> None:
     """Ranges of one object less than ``range_gap`` apart are read as one span; each
     range is then its own slice of its span, wherever the span starts, overlapping and
     contained ranges included; ranges of other objects are never joined."""
-    from xarray_gds import sources
+    from xarray_gds import stores
 
     store = types.SimpleNamespace()
     other = types.SimpleNamespace()
@@ -451,7 +452,7 @@ def test_ranges_joined_into_spans_are_cut_back_exactly() -> None:
     sizes = np.array([20, 20, 20, 2, 10, 5], dtype=np.int64)
 
     def merged(gap: int) -> list[Any]:  # spans come in the order of their stores' ids
-        spans = sources.merge_ranges(where, locations, starts, sizes, gap)
+        spans = stores.merge_ranges(where, locations, starts, sizes, gap)
         return sorted(spans, key=lambda s: (s[1], locations[s[0]]))
 
     assert merged(10) == [(1, 10, 70, [1, 3, 0, 2]), (4, 10, 20, [4]), (5, 150, 155, [5])]
@@ -471,7 +472,7 @@ def test_ranges_joined_into_spans_are_cut_back_exactly() -> None:
         return out
 
     with zarr.config.set({"xarray_gds.range_gap": 10}):
-        found = sources._read_joined(where, locations, starts, sizes, get)
+        found = stores.read_joined(where, locations, starts, sizes, get)
     assert sorted(asked, key=lambda a: (a[1], a[0])) == [
         ("a", 10, 60),
         ("b", 10, 10),

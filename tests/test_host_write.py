@@ -28,7 +28,7 @@ from zarr.storage import FsspecStore, LocalStore, MemoryStore
 import xarray_gds
 from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.pipeline import _sync_io_matches
-from xarray_gds.store import GdsStore
+from xarray_gds.stores.local import GdsStore
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),

@@ -21,12 +21,17 @@ import zarr
 
 from tests._s3 import client as s3_client
 from tests._s3 import loopback_s3
-from xarray_gds.ice import IcechunkFallbackWarning, IcechunkReadStore, IcechunkSource, chunk_storage
-from xarray_gds.refs import Reference
+from xarray_gds.stores.icechunk import (
+    IcechunkFallbackWarning,
+    IcechunkReadStore,
+    IcechunkSource,
+    chunk_storage,
+)
+from xarray_gds.stores.refs import Reference
 
 icechunk = pytest.importorskip("icechunk")  # the test extra has it; not every GPU image
 
-pytestmark = pytest.mark.filterwarnings("error::xarray_gds.ice.IcechunkFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::xarray_gds.stores.icechunk.IcechunkFallbackWarning")
 
 #: selections applied to both engines
 SELECTIONS: list[dict[str, Any]] = [

@@ -62,7 +62,12 @@ def _named(module: str, prefix: str) -> bool:
 
 def test_layout_finds_the_core_and_the_tools() -> None:
     names = {_module_name(p) for p in CORE}
-    assert {"xarray_gds", "xarray_gds.backend", "xarray_gds.store", "xarray_gds.io.local"} <= names
+    assert {
+        "xarray_gds",
+        "xarray_gds.backend",
+        "xarray_gds.stores.local",
+        "xarray_gds.stores.files",
+    } <= names
     assert not any(_named(n, "xarray_gds.tools") for n in names)
     tools = {p.stem for p in TOOLS.glob("*.py")}
     assert {"cli", "demo", "bench", "bench_cluster", "bench_refs", "calibrate"} <= tools

@@ -133,21 +133,21 @@ def as_store(kind: str, root: Path) -> Iterator[Any]:
 def test_store_kinds_take_the_sources_they_name(tmp_path: Path) -> None:
     """The store kinds of this module reach the engine's sources they stand for (the
     HTTP one the remote source, whose shard indexes are range requests)."""
-    from xarray_gds import sources
+    from xarray_gds import stores
     from xarray_gds.backend import open_store
 
     root = _sharded(tmp_path / "s.zarr", "start", True)
     want = {
-        "path": sources.LocalSource,
-        "zarr-local": sources.StoreSource,
-        "memory": sources.StoreSource,
-        "fsspec": sources.StoreSource,
-        "http": sources.RemoteSource,
+        "path": stores.LocalSource,
+        "zarr-local": stores.DirectorySource,
+        "memory": stores.MemorySource,
+        "fsspec": stores.StoreSource,
+        "http": stores.RemoteSource,
     }
     for kind in STORE_KINDS:
         with as_store(kind, root) as store:
             opened = store if not isinstance(store, str | Path) else open_store(store)
-            assert type(sources.source_for(opened)) is want[kind], kind
+            assert type(stores.source_for(opened)) is want[kind], kind
 
 
 # -- shards: the index at the start or the end ---------------------------------------------

@@ -290,7 +290,7 @@ def test_sharded_partial_reads_touch_only_needed_inner_chunks(
     ds.to_zarr(path, zarr_format=3, encoding={"v": {"chunks": (4, 4), "shards": (8, 8)}})
     ranges: list[tuple[str, int]] = []
 
-    from xarray_gds.io import local as local_io
+    from xarray_gds.stores import files as local_io
 
     for name in ("read_ranges_host", "read_ranges_device"):
         real = getattr(local_io, name)

@@ -1,4 +1,4 @@
-"""NetCDF4/HDF5 files read through kerchunk reference sets (xarray_gds.refs).
+"""NetCDF4/HDF5 files read through kerchunk reference sets (xarray_gds.stores.refs).
 
 Every file is written here with h5py or netCDF4; its references are made with kerchunk's
 HDF5 scanner (and VirtualiZarr where it installs), and every read is compared with
@@ -24,8 +24,8 @@ import xarray as xr
 import zarr
 from packaging.version import Version
 
-from xarray_gds import refs as refs_module
-from xarray_gds.refs import ReferenceStore, ReferenceTargetError, is_reference_set
+from xarray_gds.stores import refs as refs_module
+from xarray_gds.stores.refs import ReferenceStore, ReferenceTargetError, is_reference_set
 
 pytest.importorskip("h5netcdf")  # the reference reader is engine="h5netcdf"
 h5py = pytest.importorskip("h5py")  # the test extra has these; not every GPU image
@@ -84,7 +84,7 @@ def host_warnings(record: Any) -> list[str]:
 
 
 class _Spy:
-    """Counts the batches that :func:`xarray_gds.refs.read_references` reads."""
+    """Counts the batches that :func:`xarray_gds.stores.refs.read_references` reads."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0

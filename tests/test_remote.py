@@ -238,13 +238,13 @@ def test_http_403(http_root):
 
 
 def test_remote_source_chosen_and_secrets_hidden(s3, s3_store):
-    from xarray_gds import sources
+    from xarray_gds import stores
 
     ds = xr.open_dataset(s3_store, engine="gds-zarr", storage_options=s3, device="cpu")
     from xarray_gds.backend import open_store
 
     store = open_store(s3_store, storage_options=s3)
-    assert isinstance(sources.source_for(store), sources.RemoteSource)
+    assert isinstance(stores.source_for(store), stores.RemoteSource)
     for text in (repr(store), str(store), repr(ds), str(ds.encoding)):
         assert SECRET not in text and KEY not in text
 
@@ -266,7 +266,7 @@ def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
     refused listing (here: no such bucket) leaves every size to be asked for."""
     from zarr.storage import FsspecStore
 
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     store = FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
     fs = s3fs.S3FileSystem(**s3)
@@ -294,7 +294,7 @@ def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
     """Inner chunks of shards read by kvikio on the device: one handle a shard, ranges
     joined across gaps (or not, with range_gap=-1), each copied to its own slot."""
     cupy = pytest.importorskip("cupy")
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     url = "s3://data/sharded-device.zarr"
     ds = _dataset()
@@ -329,7 +329,7 @@ def test_s3_kvikio_route_takes_sizes_from_a_listing(s3, monkeypatch):
     """Whole chunk objects read by kvikio open with their size from one listing (no HEAD
     request each); a chunk the listing does not hold is the fill value, never opened."""
     cupy = pytest.importorskip("cupy")
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     url = "s3://data/listed.zarr"
     ds = _dataset()
@@ -533,7 +533,7 @@ def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException
     failure cancels the reads still going)."""
     import re
 
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     key = re.search(r"chunk '([^']+)'", str(err.value)).group(1)
     counts = _t_keys(server)
@@ -542,7 +542,7 @@ def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException
 
 
 def test_truncated_bodies_are_tried_again(faulty, fault_root):
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     server = faulty("truncate", times=remote.READ_ATTEMPTS - 1)
     ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu").load()
@@ -685,7 +685,7 @@ def test_http_header_secret_never_in_retry_logs(faulty, caplog):
     ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu", storage_options=options)
     with pytest.raises(ConnectionError, match=r"after 3 tries") as err:
         ds.t.load()
-    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.remote"]
+    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.stores.remote"]
     assert any("try 1 of 3 failed (ClientPayloadError" in m for m in retries)
     for text in [*retries, caplog.text, str(err.value), repr(ds), repr(ds.t.variable._data)]:
         assert LEAK not in text
@@ -716,7 +716,7 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
     """Inner chunks of shards are byte ranges: one that comes back shorter than asked
     (with a Content-Length that matches, so aiohttp cannot tell) is caught by the length
     check, tried again, and never decoded."""
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     ref = xr.open_dataset(fault_root / "sharded.zarr", engine="zarr").load()
     server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
@@ -864,7 +864,7 @@ def test_no_secret_in_retry_logs_with_userinfo(faulty, caplog):
     ds = _open(_with_userinfo(server.url), _http_options("userinfo"))
     with pytest.raises(OSError, match=r"after 3 tries") as err:
         ds.t.load()
-    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.remote"]
+    retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.stores.remote"]
     assert any("try 2 of 3 failed (ClientResponseError: 500" in m for m in retries), retries
     assert any("'http://***@127.0.0.1:" in m for m in retries), retries
     for text in [*retries, caplog.text, *_texts(err.value)]:
@@ -908,7 +908,7 @@ def test_no_secret_in_remote_references(http_root, tmp_path, caplog):
     import json
     import logging
 
-    from xarray_gds.refs import ReferenceStore, ReferenceTargetError
+    from xarray_gds.stores.refs import ReferenceStore, ReferenceTargetError
 
     caplog.set_level(logging.DEBUG)
     meta = {"zarr_format": 2, "shape": [4], "chunks": [4], "dtype": "<i4", "compressor": None}
@@ -944,7 +944,7 @@ def test_no_secret_in_remote_references(http_root, tmp_path, caplog):
 
 
 def test_redact_masks_userinfo_options_and_headers():
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     options = {
         "key": "AKIA-0001",
@@ -967,7 +967,7 @@ def test_redact_masks_userinfo_options_and_headers():
 
 def test_redact_masks_a_short_secret_where_it_stands_only():
     """A one-letter key is masked as a value, not as letters of other words."""
-    from xarray_gds import remote
+    from xarray_gds.stores import remote
 
     options = {"key": "k", "secret": "s3cr", "token": "Bearer tok"}
     text = (

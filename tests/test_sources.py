@@ -11,7 +11,7 @@ import xarray as xr
 import zarr
 from zarr.storage import LocalStore
 
-from xarray_gds import sources
+from xarray_gds import stores
 
 
 class _Counting(LocalStore):
@@ -45,7 +45,7 @@ def test_ranges_of_a_store_joined_by_get_ranges(tmp_path: Path, gap: Any, per_sh
     expected = _sharded(path)
     store = _Counting(path, read_only=True)
     store.ranged = []
-    assert isinstance(sources.source_for(store), sources.StoreSource)
+    assert isinstance(stores.source_for(store), stores.StoreSource)
     settings = {} if gap is None else {"xarray_gds.range_gap": gap}
     with zarr.config.set(settings):
         ds = xr.open_dataset(store, engine="gds-zarr", device="cpu", consolidated=False)

@@ -16,7 +16,7 @@ from zarr.core.buffer import Buffer, cpu
 from zarr.testing.store import StoreTests
 
 from xarray_gds import GdsStore
-from xarray_gds.store import is_metadata_key
+from xarray_gds.stores.local import is_metadata_key
 
 
 class TestGdsStoreHost(StoreTests[GdsStore, cpu.Buffer]):
@@ -249,7 +249,7 @@ async def test_delete_dir_refuses_links_and_escaping_prefixes(tmp_path: Path) ->
 def test_pinned_staging_sizes_are_shared() -> None:
     """Staging buffers come in powers of two (1 MiB at least), so that CuPy's pinned
     pool hands a freed one to the next read of about the same size."""
-    from xarray_gds.io.local import _pinned_size
+    from xarray_gds.stores.files import _pinned_size
 
     assert _pinned_size(0) == _pinned_size(1) == _pinned_size(1 << 20) == 1 << 20
     assert _pinned_size((1 << 20) + 1) == _pinned_size(2 << 20) == 2 << 20
@@ -261,7 +261,7 @@ def test_pinned_staging_sizes_are_shared() -> None:
 
 
 def test_read_threads_follow_file_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xarray_gds.io.local import read_threads
+    from xarray_gds.stores.files import read_threads
 
     monkeypatch.delenv("XARRAY_GDS_READ_THREADS", raising=False)
     assert read_threads(0) == 1  # stat calls, and files of 1 KiB: one thread
@@ -320,7 +320,7 @@ def test_reads_without_stat_match_the_files(
 ) -> None:
     """Slotted reads (no stat before reading) give every file whole, wherever its size
     falls against its slot, and -1 for missing files and directories, as stat does."""
-    from xarray_gds.io.local import read_files_device
+    from xarray_gds.stores.files import read_files_device
 
     monkeypatch.setenv("XARRAY_GDS_READ_THREADS", threads)
     paths, want = _slotted_files(tmp_path)

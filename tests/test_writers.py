@@ -1,6 +1,6 @@
 """Concurrent writers of one store: both writes land, one after the other.
 
-``xarray_gds.to_zarr`` holds the store's writer lock (:mod:`xarray_gds.locking`) from
+``xarray_gds.to_zarr`` holds the store's writer lock (:mod:`xarray_gds.stores.lock`) from
 reading the metadata to writing it; two processes appending to one local store, or
 writing regions that share a chunk, each find the other's rows. Without the lock, one
 of two concurrent appends was lost in most trials, without an error.
@@ -21,8 +21,8 @@ import zarr
 
 import xarray_gds
 from xarray_gds.deferred import HeldMetadataStore
-from xarray_gds.locking import lock_path
-from xarray_gds.store import GdsStore
+from xarray_gds.stores.local import GdsStore
+from xarray_gds.stores.lock import lock_path
 
 TRIALS = 6
 APPENDS = 3

@@ -18,7 +18,7 @@ from xarray_gds.errors import (
     XarrayGdsWarning,
 )
 from xarray_gds.loader import BatchLoader
-from xarray_gds.store import GdsStore
+from xarray_gds.stores.local import GdsStore
 from xarray_gds.write import to_zarr
 
 __version__ = "0.1.0"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,19 +19,17 @@ from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
 
-from xarray_gds import config, fuse, ice, refs, remote
+from xarray_gds import config, fuse
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
 from xarray_gds.codecs import netcdf_filters
 from xarray_gds.errors import ConsolidatedMetadataWarning, warn
 from xarray_gds.pipeline import attach, read_as_netcdf
-from xarray_gds.store import GdsStore
+from xarray_gds.stores import Opened, open_target
+from xarray_gds.stores.urls import redact
 
 __all__ = ["GdsZarrBackendEntrypoint", "open_store", "placement"]
-
-_ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
-
 
 #: ``mode`` values that open an existing store (``"a-"`` is xarray's own ``"a"``)
 _READ_MODES = ("r", "r+", "a", "a-")
@@ -65,46 +62,33 @@ def open_store(
     """
     if isinstance(filename_or_obj, Store):
         return filename_or_obj
-    if isinstance(filename_or_obj, zarr.Array):
-        raise TypeError(_array_hint(filename_or_obj))
-    if isinstance(filename_or_obj, ZarrStore):
+    mode = "r" if read_only else "r+"
+    return _opened(filename_or_obj, mode, storage_options, None).store
+
+
+def _opened(
+    target: Any, mode: str, storage_options: dict[str, Any] | None, consolidated: bool | None
+) -> Opened:
+    """``target`` opened by the first store kind that opens it (see
+    :mod:`xarray_gds.stores`)."""
+    opened = open_target(
+        target, mode=mode, storage_options=storage_options, consolidated=consolidated
+    )
+    if opened is not None:
+        return opened
+    if isinstance(target, zarr.Array):
+        raise TypeError(_array_hint(target))
+    if isinstance(target, ZarrStore):
         raise TypeError(
             "engine='gds-zarr' takes an xarray ZarrStore as the store= argument (as "
             "engine='zarr' does), not as filename_or_obj; or pass its zarr Store: "
             "xr.open_dataset(zarr_store.zarr_group.store, group=zarr_store.zarr_group.path, "
             "engine='gds-zarr')"
         )
-    if not isinstance(filename_or_obj, str | os.PathLike):
-        raise TypeError(
-            "engine='gds-zarr' opens a local Zarr directory (str or os.PathLike), a "
-            f"zarr.abc.store.Store or a zarr.Group, not {type(filename_or_obj).__name__}"
-        )
-    text = os.fspath(filename_or_obj)
-    if remote.is_remote_url(text):
-        return remote.open_url(text, storage_options, read_only=read_only)
-    if "://" in text and not text.startswith("file://"):
-        raise ValueError(
-            f"engine='gds-zarr' reads local directories and s3://, http:// and https:// "
-            f"URLs, got {text!r}; for other remote stores pass a zarr Store object, e.g. "
-            f"zarr.storage.FsspecStore.from_url({text!r}, storage_options=..., read_only=True)"
-        )
-    path = Path(text.removeprefix("file://")).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"No such Zarr store: '{path}'")
-    netcdf = _netcdf_kind(path)
-    if netcdf is not None:
-        raise ValueError(
-            f"'{path}' is a {netcdf} file, not a Zarr store: open it with "
-            f"{_NETCDF_ENGINES[netcdf]} (read on the host), or make a reference set of it "
-            "with kerchunk or VirtualiZarr and open that with engine='gds-zarr' to decode "
-            "its chunks on the GPU (see the NetCDF page of the docs, docs/netcdf.md)"
-        )
-    if not path.is_dir() or not any((path / name).exists() for name in _ROOT_METADATA):
-        raise ValueError(
-            f"'{path}' is not a Zarr store: it is not a directory holding "
-            "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
-        )
-    return GdsStore(path, read_only=read_only)
+    raise TypeError(
+        "engine='gds-zarr' opens a local Zarr directory (str or os.PathLike), a "
+        f"zarr.abc.store.Store or a zarr.Group, not {type(target).__name__}"
+    )
 
 
 def _array_hint(array: zarr.Array) -> str:
@@ -126,46 +110,9 @@ def _array_hint(array: zarr.Array) -> str:
     )
 
 
-#: the first bytes of HDF5 (NetCDF-4) and NetCDF classic files
-_NETCDF_MAGIC = {
-    b"\x89HDF\r\n\x1a\n": "NetCDF-4/HDF5",
-    b"CDF\x01": "NetCDF classic",
-    b"CDF\x02": "NetCDF classic",
-    b"CDF\x05": "NetCDF CDF-5",
-}
-_NETCDF_ENGINES = {
-    "NetCDF-4/HDF5": "xr.open_dataset(path, engine='netcdf4') or engine='h5netcdf'",
-    "NetCDF classic": "xr.open_dataset(path, engine='netcdf4') or engine='scipy'",
-    "NetCDF CDF-5": "xr.open_dataset(path, engine='netcdf4')",
-}
-
-
-def _netcdf_kind(path: Path) -> str | None:
-    """``"NetCDF-4/HDF5"`` or ``"NetCDF classic"`` when ``path`` is a file that starts as
-    one does (an HDF5 signature may also follow a user block of 512, 1024, ... bytes)."""
-    if not path.is_file():
-        return None
-    try:
-        with path.open("rb") as file:
-            head = file.read(8)
-            for start in (512, 1024, 2048):
-                if head.startswith(tuple(_NETCDF_MAGIC)):
-                    break
-                file.seek(start)
-                head = file.read(8)
-    except OSError:
-        return None
-    return next((kind for magic, kind in _NETCDF_MAGIC.items() if head.startswith(magic)), None)
-
-
-def _resolve_source(
-    filename_or_obj: Any,
-    group: str | None,
-    mode: str,
-    storage_options: dict[str, Any] | None = None,
-) -> tuple[Store, str | None]:
-    """The Store to open and the group path in it; a ``zarr.Group`` stands for its
-    store and path (``group`` is then relative to it)."""
+def _in_group(filename_or_obj: Any, group: str | None, mode: str) -> tuple[Any, str | None]:
+    """What to open and the group path in it; a ``zarr.Group`` stands for its store
+    and path (``group`` is then relative to it)."""
     if mode not in _READ_MODES:
         raise ValueError(
             f"engine='gds-zarr' opens existing stores: mode must be one of {_READ_MODES}, "
@@ -178,18 +125,7 @@ def _resolve_source(
             return filename_or_obj.store, group
         sub = (group or "").strip("/")
         return filename_or_obj.store, f"{base}/{sub}" if sub else base
-    return (
-        open_store(filename_or_obj, read_only=mode == "r", storage_options=storage_options),
-        group,
-    )
-
-
-def _passed_on(filename_or_obj: Any, storage_options: dict[str, Any] | None) -> Any:
-    """The storage_options zarr is given: none for a remote URL (they went into the
-    store opened for it, see :func:`xarray_gds.remote.open_url`)."""
-    if isinstance(filename_or_obj, str) and remote.is_remote_url(filename_or_obj):
-        return None
-    return storage_options
+    return filename_or_obj, group
 
 
 def _store_name(name: Any) -> str:
@@ -234,7 +170,7 @@ def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> b
     except Exception:
         return None
     warn(
-        f"xarray-gds: the Zarr store {remote.redact(str(store), None)} has no consolidated "
+        f"xarray-gds: the Zarr store {redact(str(store), None)} has no consolidated "
         "metadata, so every array's "
         "metadata is read on its own. Consolidate it once with "
         "zarr.consolidate_metadata(store), or pass consolidated=False to skip this check.",
@@ -288,35 +224,20 @@ def _open_stores(
     ``filename_or_obj``), and the xarray ZarrStores of ``filename_or_obj`` (a path, URL,
     Store, zarr Group or set of kerchunk references): that group, and the groups below
     it if ``all_groups``."""
-    if refs.is_reference_set(filename_or_obj):  # kerchunk references (refs.py)
-        filename_or_obj, consolidated = refs.open_reference_store(
-            filename_or_obj, mode, storage_options, consolidated
-        )
-        storage_options = None
-    storage = None
-    if _icechunk(filename_or_obj):  # a Store object takes no storage_options
-        storage, storage_options = ice.chunk_storage(storage_options)[0], None
-    source, group = _resolve_source(filename_or_obj, group, mode, storage_options)
-    if _icechunk(source):  # its chunks read where they lie (xarray_gds/ice.py)
-        source = ice.IcechunkReadStore(source, storage)
-        filename_or_obj, storage_options = source, None
+    target, group = _in_group(filename_or_obj, group, mode)
+    store, storage_options, consolidated = _opened(target, mode, storage_options, consolidated)
     root = group
     if all_groups:  # the root of the groups, as a path from the store's root
         root = str(NodePath("/") / NodePath(group)) if group else "/"
     return group, _open_zarr_stores(
-        source,
+        store,
         group=root,
         mode=mode,
         consolidated=consolidated,
-        storage_options=_passed_on(filename_or_obj, storage_options),
+        storage_options=storage_options,
         all_groups=all_groups,
         **kwargs,
     )
-
-
-def _icechunk(obj: Any) -> bool:
-    """An Icechunk session's store, or a zarr Group of one."""
-    return ice.is_icechunk_store(obj.store if isinstance(obj, zarr.Group) else obj)
 
 
 def _open_zarr_stores(

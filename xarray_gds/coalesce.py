@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds import config, decode, route, sources
+from xarray_gds import config, decode, route, stores
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, parallel
 from xarray_gds.codecs import DecodeChain
@@ -69,7 +69,7 @@ class _Request:
     on_device: bool
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
     #: where ``paths`` are read from (by default: paths of local files)
-    source: sources.Source = field(default_factory=lambda: sources.LocalSource(None))
+    source: stores.Source = field(default_factory=lambda: stores.LocalSource(None))
     #: byte ranges (``starts, sizes``) of ``paths`` to read (shards' inner chunks);
     #: None reads each location whole
     ranges: tuple[np.ndarray, np.ndarray] | None = None
@@ -335,7 +335,7 @@ if hasattr(os, "register_at_fork"):
 
 def _request(asked: ReadRequest) -> _Request:
     """The engine's state of a request: its chunks located by the store's source."""
-    source = sources.source_for(asked.store)
+    source = stores.source_for(asked.store)
     gpu = _device.cupy().cuda.Device().id if asked.on_device else -1
     ranges = asked.ranges
     if ranges is None:
@@ -395,12 +395,13 @@ STREAM_CHUNK = 256 << 10
 
 def _streamable(group: list[_Request]) -> bool:
     """Whether a group is served chunk by chunk (:func:`_serve_streamed`): host reads of
-    whole local files of large chunks, every request with a sink."""
+    whole chunks of large size from sources that stream (local files), every request
+    with a sink."""
     return all(
         r.sink is not None
         and not r.on_device
         and r.ranges is None
-        and r.source.kind == "local"
+        and r.source.streams
         and r.chain.nbytes >= STREAM_CHUNK
         for r in group
     )
@@ -476,7 +477,7 @@ def _decode(
 
 def _read(group: list[_Request]) -> Any:
     """Every chunk of the requests of ``group``, in one batch (one read per kind of
-    source, see :mod:`xarray_gds.sources`; whole chunks and byte ranges apart)."""
+    source, see :mod:`xarray_gds.stores`; whole chunks and byte ranges apart)."""
     if all(r.ranges is None for r in group):
         return _read_whole(group)
     bounds = np.cumsum([0] + [len(r.paths) for r in group])
@@ -488,7 +489,7 @@ def _read(group: list[_Request]) -> Any:
         idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in members])
         picked = [group[i] for i in members]
         parts.append((idx, _read_ranges(picked) if ranged else _read_whole(picked)))
-    return sources.join(parts, int(bounds[-1]), group[0].decode_on_device)
+    return stores.join(parts, int(bounds[-1]), group[0].decode_on_device)
 
 
 def _read_ranges(group: list[_Request]) -> Any:
@@ -496,7 +497,7 @@ def _read_ranges(group: list[_Request]) -> Any:
     starts = np.concatenate([r.ranges[0] for r in group if r.ranges is not None])
     sizes = np.concatenate([r.ranges[1] for r in group if r.ranges is not None])
     spread = [r.source for r in group for _ in r.paths]
-    return sources.read(spread, paths, group[0].decode_on_device, None, (starts, sizes))
+    return stores.read(spread, paths, group[0].decode_on_device, None, (starts, sizes))
 
 
 def _read_whole(group: list[_Request]) -> Any:
@@ -505,7 +506,7 @@ def _read_whole(group: list[_Request]) -> Any:
     counts = [len(r.paths) for r in group]
     slots = np.repeat([r.chain.stored_bound for r in group], counts) if on_device else None
     spread = [r.source for r, n in zip(group, counts, strict=True) for _ in range(n)]
-    return sources.read(spread, paths, on_device, slots)
+    return stores.read(spread, paths, on_device, slots)
 
 
 def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:

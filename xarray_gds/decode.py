@@ -274,7 +274,7 @@ def decode_fetched(
     """Decode the chunks a fetch found: ``(present, chunks)``, the indices of the keys
     whose chunk exists and their values ``(len(present), *chunk_shape)`` (native byte
     order; ``None`` when no chunk exists). ``fetched`` is what
-    a source's read returns for ``keys`` on that side (:mod:`xarray_gds.sources`)."""
+    a source's read returns for ``keys`` on that side (:mod:`xarray_gds.stores`)."""
     xp = _device.array_module("cuda" if on_device else "cpu")
     if on_device:
         present = np.flatnonzero(fetched.sizes >= 0).tolist()

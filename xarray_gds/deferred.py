@@ -1,7 +1,7 @@
 """Metadata written after the data it describes: one write, held in one place.
 
 :func:`xarray_gds.to_zarr` wraps every store it writes (a local directory's
-:class:`~xarray_gds.store.GdsStore`, a remote URL's store, an ``FsspecStore``, an
+:class:`~xarray_gds.stores.local.GdsStore`, a remote URL's store, an ``FsspecStore``, an
 ``ObjectStore``, a ``MemoryStore``; not an Icechunk session's, whose commit publishes a
 write whole) in :class:`HeldMetadataStore` for the write. Chunks go to the store as
 zarr writes them, each in one ``set`` (a file renamed into place; one PUT on S3:
@@ -10,7 +10,7 @@ whole or not at all). The metadata documents (``zarr.json``, ``.zarray``, ``.zat
 existence checks of the write, and written at the end, after every chunk write still
 running, arrays before their groups and consolidated metadata last.
 
-The write holds the store's writer lock (:mod:`xarray_gds.locking`: local directories
+The write holds the store's writer lock (:mod:`xarray_gds.stores.lock`: local directories
 and memory stores) from the wrapper's making to its end, so a second writer of the
 same store waits, then reads the metadata this one wrote.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any, Self
@@ -53,10 +52,11 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, cpu, default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import LocalStore, MemoryStore, WrapperStore
+from zarr.storage import WrapperStore
 
-from xarray_gds.locking import DEFAULT_TIMEOUT, WriterLock, writer_lock
-from xarray_gds.store import GdsStore, is_metadata_key
+from xarray_gds.stores import Source, WriterLock, source_for
+from xarray_gds.stores.local import is_metadata_key
+from xarray_gds.stores.lock import DEFAULT_TIMEOUT
 
 __all__ = ["HeldMetadataStore"]
 
@@ -64,14 +64,15 @@ __all__ = ["HeldMetadataStore"]
 class _Write:
     """One write's state, shared by the stores that ``with_read_only`` makes."""
 
-    def __init__(self, probe: bool) -> None:
+    def __init__(self, source: Source) -> None:
+        self.source = source  #: the written store's kind: its lock, probes, clean-up
         #: orders chunk writes' bookkeeping against the end, which waits on it for the
         #: chunk writes still running
         self.cond = threading.Condition()
         self.keys: dict[str, Buffer] = {}  #: metadata documents not written yet
         self.holding = True  #: metadata is held (until flush or discard)
         self.failed = False  #: the write failed: later writes are refused
-        self.probe = probe  #: chunk writes record whether their key existed
+        self.probe = source.probes  #: chunk writes record whether their key existed
         self.written: set[str] = set()  #: chunk keys written meanwhile
         self.created: set[str] = set()  #: those of them that were not there (probe)
         self.running = 0  #: chunk writes and deletes running now
@@ -110,7 +111,7 @@ class HeldMetadataStore(WrapperStore[Store]):
     ``store``; those of the write are counted while they run.
 
     Made, it takes the writer lock of ``store`` (a local or memory store: see
-    :mod:`xarray_gds.locking`), waiting at most ``lock_timeout`` seconds (``None``: no
+    :mod:`xarray_gds.stores.lock`), waiting at most ``lock_timeout`` seconds (``None``: no
     bound); :meth:`flush` or :meth:`discard` gives it back. Stores made from it by
     ``with_read_only`` share the write.
 
@@ -130,13 +131,19 @@ class HeldMetadataStore(WrapperStore[Store]):
     ) -> None:
         super().__init__(store)
         if _write is None:
-            _write = _Write(probe=isinstance(store, (LocalStore, MemoryStore)))
-            _write.writer = writer_lock(store, lock_timeout)  # before zarr reads metadata
+            _write = _Write(source_for(store))
+            _write.writer = _write.source.writer_lock(lock_timeout)  # before zarr reads metadata
         self._write = _write
 
     @property
     def store(self) -> Store:
         """The store written."""
+        return self._store
+
+    @property
+    def chunks_in(self) -> Store:
+        """The store that holds the chunks (they are never held): that of the registry's
+        kinds (:func:`xarray_gds.stores.source_for`)."""
         return self._store
 
     def _with_store(self, store: Store) -> Self:
@@ -253,8 +260,7 @@ class HeldMetadataStore(WrapperStore[Store]):
             await asyncio.gather(*(self._store.delete(k) for k in doomed))
 
         sync(delete_all())
-        if isinstance(self._store, LocalStore):
-            _remove_empty_dirs(os.fspath(self._store.root), doomed)
+        write.source.after_failed_write(doomed)
 
     # -- writes --------------------------------------------------------------------------
 
@@ -317,10 +323,7 @@ class HeldMetadataStore(WrapperStore[Store]):
 
     def _existed(self, key: str) -> bool:
         """Whether the store holds ``key`` (asked synchronously, of probed stores only)."""
-        store = self._store
-        if isinstance(store, LocalStore):
-            return os.path.lexists(os.path.join(store.root, key))
-        return self._sync_store().get_sync(key) is not None
+        return self._write.source.existed(key)
 
     def _sync_store(self) -> Any:
         if not hasattr(self._store, "set_sync"):
@@ -357,7 +360,7 @@ class HeldMetadataStore(WrapperStore[Store]):
     async def set(self, key: str, value: Buffer) -> None:
         if self._hold(key, value):
             return
-        if isinstance(self._store, GdsStore):
+        if self._write.source.writes_in_threads:
             # counted in the thread that writes: a cancelled task's thread runs on
             await asyncio.to_thread(self._set_counted, key, value)
             return
@@ -378,7 +381,7 @@ class HeldMetadataStore(WrapperStore[Store]):
 
     async def delete(self, key: str) -> None:
         self._forget(key)
-        if isinstance(self._store, GdsStore):
+        if self._write.source.writes_in_threads:
             await asyncio.to_thread(self._delete_counted, key)
             return
         write = self._starting(key)
@@ -497,16 +500,3 @@ class HeldMetadataStore(WrapperStore[Store]):
 
     def __str__(self) -> str:
         return str(self._store)
-
-
-def _remove_empty_dirs(root: str, keys: Iterable[str]) -> None:
-    """Remove the directories of ``keys`` below ``root`` that are empty, deepest first."""
-    parents: set[str] = set()
-    for key in keys:
-        parts = key.split("/")[:-1]
-        parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
-    for parent in sorted(parents, key=lambda p: -p.count("/")):
-        try:
-            os.rmdir(os.path.join(root, parent))
-        except OSError:  # not empty: it holds what was there before
-            continue

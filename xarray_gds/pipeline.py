@@ -3,7 +3,7 @@
 :class:`GdsCodecPipeline` plugs into zarr-python through its public extension point,
 the ``codec_pipeline.path`` setting. For arrays whose codecs :func:`plan_chain`
 understands, a read fetches every chunk of the selection at once (kvikio into one
-device arena for :class:`~xarray_gds.store.GdsStore`), decodes them with one batched
+device arena for :class:`~xarray_gds.stores.local.GdsStore`), decodes them with one batched
 call per batch (nvCOMP on the GPU, threaded numcodecs on the host), undoes filters on
 the whole batch, and scatters the chunks into the output. Everything else goes to
 zarr's own :class:`~zarr.core.codec_pipeline.BatchedCodecPipeline`, except writes of
@@ -36,7 +36,7 @@ from zarr.core.common import concurrent_map
 from zarr.registry import get_pipeline_class, register_pipeline
 from zarr.storage import WrapperStore
 
-from xarray_gds import coalesce, config, decode, sources
+from xarray_gds import coalesce, config, decode, stores
 from xarray_gds import device as _device
 from xarray_gds.batch import offload
 from xarray_gds.codecs import (
@@ -58,7 +58,6 @@ from xarray_gds.codecs.encode import (
 from xarray_gds.errors import ChunkDecodeError, HostRouteWarning, warn
 from xarray_gds.place import Tiling, place
 from xarray_gds.request import ByteRanges, Decoded, ReadRequest
-from xarray_gds.store import GdsStore
 
 __all__ = ["GdsCodecPipeline", "attach", "read_as_netcdf", "writing_to"]
 
@@ -465,7 +464,15 @@ async def _shard_index(chain: ShardChain, byte_getter: Any) -> _Index | None:
     size of the shard in bytes (what the table is checked against before any read)."""
     n = chain.index_nbytes
     key = byte_getter.path
-    found = await sources.source_for(byte_getter.store).read_end(key, n, chain.index_at_end)
+    try:
+        found = await stores.source_for(byte_getter.store).read_end(key, n, chain.index_at_end)
+    except IsADirectoryError:
+        raise ChunkDecodeError(
+            key,
+            "sharding_indexed",
+            "a directory stands where the shard file should be: remove it (or restore "
+            "the shard from a backup) to read the shard's chunks as the fill value",
+        ) from None
     if found is None:
         return None
     raw, shard_nbytes = found
@@ -913,7 +920,7 @@ async def _store_jobs(jobs: list[tuple[Any, Any]]) -> None:
     """Write (or delete, for ``None``) every chunk of a part."""
     store = jobs[0][0].store
     # one write per thread of the pool, GIL released (a local store, held for the write)
-    if isinstance(getattr(store, "store", store), GdsStore):
+    if stores.source_for(store).writes_in_threads:
         keys = [bs.path for bs, _ in jobs]
         await _offload(_store_all, store, keys, [b for _, b in jobs])
     else:

@@ -4,7 +4,7 @@ zarr's ``get_basic_selection`` builds, in Python, a store path, a chunk selectio
 an output selection for every chunk a read touches: 10-25 us a chunk, more than the
 read and the decode of a small chunk. For a box (integers and slices of step 1) of an
 array that :class:`~xarray_gds.pipeline.GdsCodecPipeline` decodes in batches, in any
-zarr Store (:mod:`xarray_gds.sources`), :func:`read_box` lists the chunks the box touches
+zarr Store (:mod:`xarray_gds.stores`), :func:`read_box` lists the chunks the box touches
 with numpy, reads and decodes them as the pipeline does (same batches, same errors),
 and places them in the output with one reshape a part on the GPU (one a row of chunks,
 in threads, on the host). What is left per chunk is its key and its file read.
@@ -88,7 +88,7 @@ def read_box(array: Any, key: tuple[Any, ...], device: _device.Device) -> Any | 
 
     It is for boxes (integers, and slices of step 1) of arrays whose codec pipeline is a
     :class:`~xarray_gds.pipeline.GdsCodecPipeline` with a batched plan that runs on
-    ``device``, in any zarr Store (bytes read through :mod:`xarray_gds.sources`), when a row of the
+    ``device``, in any zarr Store (bytes read through :mod:`xarray_gds.stores`), when a row of the
     touched chunks (all those that share a chunk index on the first axis) fits in one
     batch. Missing chunks read as the fill value, as zarr reads them.
 
@@ -151,7 +151,7 @@ def read_boxes(
 class _Planned:
     """A box read: its chunks, parts (rows of chunks per batch) and output."""
 
-    store: Any  #: any zarr Store (see xarray_gds.sources)
+    store: Any  #: any zarr Store (see xarray_gds.stores)
     chain: DecodeChain
     box: _Box
     reader: _Reader

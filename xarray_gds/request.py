@@ -2,7 +2,7 @@
 
 A :class:`ReadRequest` names the chunks of one array to read and decode; the engine
 (:mod:`xarray_gds.coalesce`) joins the requests of many threads and arrays, reads their
-bytes through the stores' sources (:mod:`xarray_gds.sources`) and decodes them
+bytes through the stores' sources (:mod:`xarray_gds.stores`) and decodes them
 (:mod:`xarray_gds.decode`). Each request gets back its :data:`Decoded` chunks, or its own error.
 """
 

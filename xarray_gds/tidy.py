@@ -24,7 +24,7 @@ killed with ``SIGKILL`` (out of memory, a pre-empted node) cleans nothing, and c
   (``trust_consolidated=True``, ``--trust-consolidated``); otherwise they are listed
   and kept;
 - the writer lock file ``.<name>.xarray-gds.lock`` beside the store: kept on purpose
-  (its lock is released when the process dies; see :mod:`xarray_gds.locking`).
+  (its lock is released when the process dies; see :mod:`xarray_gds.stores.lock`).
 
 Chunks inside the metadata's shape are the write's only visible trace: a step whose
 chunks were written but whose metadata was not is invisible; a region write (which
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xarray_gds.io.local import remove_tree, write_file
-from xarray_gds.locking import DEFAULT_TIMEOUT, writer_lock
+from xarray_gds.stores.files import remove_tree, write_file
+from xarray_gds.stores.lock import DEFAULT_TIMEOUT
 
 __all__ = ["TRUSTING", "Leftover", "find_leftovers", "tidy"]
 
@@ -268,7 +268,7 @@ def tidy(
         written only by complete writes of this package, and one was killed).
     lock_timeout : float or None
         Seconds to wait for a writer of the store (its writer lock is held while
-        tidying, see :mod:`xarray_gds.locking`).
+        tidying, see :mod:`xarray_gds.stores.lock`).
 
     Returns
     -------
@@ -276,10 +276,12 @@ def tidy(
         What was removed or put back (with ``dry_run``, what would be). What is kept
         is what :func:`find_leftovers` still lists.
     """
-    from xarray_gds.store import GdsStore
+    from xarray_gds.stores import source_for
+    from xarray_gds.stores.local import GdsStore
 
     root = Path(store)
-    lock = writer_lock(GdsStore(root, read_only=True), lock_timeout) if not dry_run else None
+    kind = source_for(GdsStore(root, read_only=True))
+    lock = kind.writer_lock(lock_timeout) if not dry_run else None
     try:
         found = find_leftovers(root, trust_consolidated=trust_consolidated)
         if not trust_consolidated:

@@ -18,20 +18,18 @@ pipeline where the store allows: see ``GdsCodecPipeline._host_writer``).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import xarray as xr
 from zarr.abc.store import Store
 
 from xarray_gds import device as _device
-from xarray_gds import remote
 from xarray_gds.chunks import GdsDaskManager, device_of
 from xarray_gds.deferred import HeldMetadataStore
-from xarray_gds.locking import DEFAULT_TIMEOUT
 from xarray_gds.pipeline import writing_to
-from xarray_gds.store import GdsStore
+from xarray_gds.stores import open_target, source_for
+from xarray_gds.stores.lock import DEFAULT_TIMEOUT
+from xarray_gds.stores.urls import write_error
 
 __all__ = ["for_device_write", "to_zarr"]
 
@@ -90,7 +88,7 @@ def to_zarr(
         Variables may be numpy, CuPy, dask (of numpy or CuPy blocks), or lazily loaded
         by ``engine="gds-zarr"``.
     store : str, path or zarr Store
-        A local directory is written through :class:`~xarray_gds.store.GdsStore`,
+        A local directory is written through :class:`~xarray_gds.stores.local.GdsStore`,
         URLs such as ``"s3://..."`` through the engine's remote stores; every store
         (those and zarr Store objects) is wrapped in
         :class:`~xarray_gds.deferred.HeldMetadataStore`, which holds the writer lock,
@@ -107,7 +105,7 @@ def to_zarr(
     lock_timeout : float or None
         Seconds to wait (600 by default; ``None``: no bound) while another process or
         thread writes the same local directory or memory store: the write holds the
-        store's writer lock (see :mod:`xarray_gds.locking`) from reading its metadata
+        store's writer lock (see :mod:`xarray_gds.stores.lock`) from reading its metadata
         to writing it. Then ``TimeoutError``, naming the lock file and the writer.
     **kwargs
         Everything ``xarray.Dataset.to_zarr`` takes (``mode``, ``append_dim``,
@@ -130,19 +128,20 @@ def to_zarr(
     """
     if levels not in _LEVELS:
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
-    if isinstance(store, os.PathLike) or (isinstance(store, str) and "://" not in store):
-        store = GdsStore(Path(store), read_only=False)  # URLs go to xarray as they are
+    if isinstance(store, str | os.PathLike):  # a path or URL its store kind opens
+        opened = open_target(store, mode="w", storage_options=kwargs.get("storage_options"))
+        if opened is not None and opened.storage_options is None:
+            kwargs.pop("storage_options", None)  # the store took them
+        store = store if opened is None else opened.store
     prepared, user_dask = for_device_write(ds)
     if not user_dask:
         # every dask variable is one of the one-block ones made here: one task writes
         # each variable, so no two tasks share a chunk (xarray's check would refuse
         # region writes that start inside a chunk, which it allows for numpy values)
         kwargs.setdefault("safe_chunks", False)
-    if isinstance(store, str) and remote.is_remote_url(store):
-        store = remote.open_url(store, kwargs.pop("storage_options", None), read_only=False)
     if not isinstance(store, Store):
         store = _as_store(store, kwargs.pop("storage_options", None))
-    if _transactional(store):
+    if source_for(store).commits:
         # its commit is the all-or-nothing guarantee, and it checks chunk keys against
         # the metadata: written in the order zarr writes them, nothing held back
         try:
@@ -166,20 +165,12 @@ def to_zarr(
             raise
         held.flush()
     except Exception as err:  # a remote store out of reach: say what to check
-        failure = remote.write_error(store, err)
+        failure = write_error(store, err)
         if failure is None:
             raise
     if failure is not None:  # raised outside the except block: nothing chained
         raise failure from None
     return result
-
-
-def _transactional(store: Store) -> bool:
-    """Whether ``store`` writes into a transaction of its own that a commit publishes
-    whole (an Icechunk session's store). Nothing imports icechunk to ask: a user who
-    holds such a store has imported it."""
-    icechunk = sys.modules.get("icechunk")
-    return icechunk is not None and isinstance(store, icechunk.IcechunkStore)
 
 
 def _uncommitted_note(store: Any) -> str:

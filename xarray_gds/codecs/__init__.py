@@ -89,7 +89,7 @@ class DecodeChain:
         size plus room for a compressor's growth on incompressible data and its framing
         (zstd, LZ4, deflate and Blosc add under 1/128 and a few dozen bytes) and a
         checksum. Reads that skip the ``stat`` of each file size their slots with it;
-        a larger file is still read whole (see :func:`xarray_gds.io.local.read_files_device`).
+        a larger file is still read whole (see :func:`xarray_gds.stores.files.read_files_device`).
         """
         n = self.nbytes
         return n + n // 128 + 256

@@ -265,7 +265,7 @@ def raw_limit(path: Path) -> None:
     """kvikio reads of every chunk of every variable of a bench store (``t``, ``v1``,
     ...) into one arena, then one nvCOMP batch call (the variables share a chain)."""
     from xarray_gds.codecs import nvcomp
-    from xarray_gds.io.local import read_files_device
+    from xarray_gds.stores.files import read_files_device
 
     chain, files = _chunk_files(path)
     batch = read_files_device(files)
@@ -276,7 +276,7 @@ def decode_only(path: Path) -> Callable[[], Any]:
     """The decode ceiling: every chunk of the store read once into device memory (not
     timed), then a function that runs one nvCOMP batch decode of them all (timed)."""
     from xarray_gds.codecs import nvcomp
-    from xarray_gds.io.local import read_files_device
+    from xarray_gds.stores.files import read_files_device
 
     chain, files = _chunk_files(path)
     batch = read_files_device(files)
@@ -440,6 +440,52 @@ def _usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Path], dict[
                 "gds-zarr": lambda: _steps(gds, step, n_steps, False),
                 "gds-zarr, split=auto": _split(lambda: _steps(gds, step, n_steps, False)),
                 "zarr": lambda: _steps(ref, step, n_steps, True),
+            }
+        raise ValueError(kind)
+
+    return contenders
+
+
+def _host(path: Path, **kwargs: Any) -> xr.Dataset:
+    return xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=True, **kwargs)
+
+
+def _host_mean(paths: list[Path], engine: str) -> Any:
+    """One reduction over many stores through dask, on the host (numpy blocks)."""
+    options: dict[str, Any] = (
+        dict(_MF_OPTIONS, device="cpu") if engine == "gds-zarr" else _MF_OPTIONS
+    )
+    ds = xr.open_mfdataset(paths, engine=engine, **options)
+    return ds["t"].mean("time").compute().data
+
+
+def _host_usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Any], dict[str, Any]]:
+    """Contenders of a host usage case: the user calls of the ``usage-*`` cases on the
+    host route (``device="cpu"``, numpy), against the same calls of engine="zarr"."""
+
+    def contenders(p: Any) -> dict[str, Callable[[], Any]]:
+        if kind == "eager":
+            return {"gds-zarr": lambda: _host(p).load(), "zarr": lambda: _zarr(p).load()}
+        if kind == "chunks":
+            return {
+                "gds-zarr": lambda: _host(p, chunks={}).compute(),
+                "zarr": lambda: _zarr(p, chunks={}).compute(),
+            }
+        if kind == "async":
+            return {
+                "gds-zarr": lambda: _async_load(_host(p)),
+                "zarr": lambda: _async_load(_zarr(p)),
+            }
+        if kind == "mfdataset":
+            return {
+                "gds-zarr": lambda: _host_mean(p, "gds-zarr"),
+                "zarr": lambda: _host_mean(p, "zarr"),
+            }
+        if kind == "steps":
+            ours, ref = _host(p), _zarr(p)  # opened once, as a loader does
+            return {
+                "gds-zarr": lambda: _steps(ours, step, n_steps, False),
+                "zarr": lambda: _steps(ref, step, n_steps, False),
             }
         raise ValueError(kind)
 
@@ -964,6 +1010,47 @@ CASES: dict[str, dict[str, Any]] = {
             "gds-zarr": lambda: _load_gds(p, "cpu"),
             "zarr": lambda: _load_zarr(p, False),
         },
+    },
+    # the usage-* cases' user calls on the host route (device="cpu")
+    "host-usage-eager-2var": {
+        "gpu": False,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _host_usage("eager"),
+    },
+    "host-usage-chunks-2var": {
+        "gpu": False,
+        "needs": _DASK,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _host_usage("chunks"),
+    },
+    "host-usage-async-2var": {
+        "gpu": False,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20, "variables": 2},
+        "contenders": _host_usage("async"),
+    },
+    "host-usage-mfdataset": {
+        "gpu": False,
+        "needs": _DASK,
+        "scale": 0.1,  # per store: 10 stores
+        "stores": 10,
+        "store": {"chunk_bytes": 1 << 20},
+        "contenders": _host_usage("mfdataset"),
+    },
+    "host-usage-step-1chunk": {
+        "gpu": False,
+        "scale": 0.1,
+        "parts": 8 / 48,  # 8 of the 48 chunks a run
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": _host_usage("steps", step=1, n_steps=8),
+    },
+    "host-usage-step-20vars": {
+        "gpu": False,
+        "scale": 0.5,
+        "store": {"chunk_bytes": 4 << 20, "variables": 20},
+        "contenders": _host_usage("steps", step=1, n_steps=4),
     },
     "host-zstd-4MB": {
         "gpu": False,

@@ -34,9 +34,9 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
 import xarray_gds
 from xarray_gds import device as _device
-from xarray_gds import remote
 from xarray_gds.backend import consolidated_at_root, open_store, placement
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
+from xarray_gds.stores import urls as remote
 from xarray_gds.tools import _text
 from xarray_gds.tools import demo as demo_cmd
 from xarray_gds.tools._text import PROG
@@ -490,7 +490,8 @@ def _run_info(args: argparse.Namespace) -> int:
     else:
         arrays = [node]
         kind = "array"
-    shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else store
+    # a URL without its user information; a path as it was given
+    shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else args.path
     if args.json:
         import json
 

@@ -1,5 +1,5 @@
 """Local files read into host or device memory and written whole: the file I/O under
-:class:`~xarray_gds.store.GdsStore` and the engine's reads of local chunks and ranges.
+:class:`~xarray_gds.stores.local.GdsStore` and the engine's reads of local chunks and ranges.
 
 Device reads go through kvikio (GPUDirect Storage, or its compat mode) or are staged
 through pinned host memory; host reads are ``os``-level calls on the host pool's

@@ -1,30 +1,39 @@
-"""A local-directory zarr Store that reads chunk bytes straight into GPU memory.
+"""Local directories: the store kind of paths and ``file://`` URLs.
 
-:class:`GdsStore` is the Store (keys, reads, writes with links out of the root
-refused, listing) and nothing else: the file reads and writes under it are
-:mod:`xarray_gds.io.local`'s; metadata held until the data is written, the writer
-lock and the clean-up of failed writes are :class:`~xarray_gds.deferred.HeldMetadataStore`'s,
-which :func:`xarray_gds.to_zarr` wraps around it."""
+:class:`GdsStore` is the zarr Store (keys, reads, writes with links out of the root
+refused, listing) that reads chunk bytes straight into GPU memory; the file reads and
+writes under it are :mod:`xarray_gds.stores.files`'s. :class:`LocalSource` is the
+kind: it opens a path (checked to be a Zarr store, with a hint for a NetCDF file), reads
+chunk files for the engine (kvikio into one device arena, or the host pool's reads), and
+its write side takes the writer lock (:mod:`xarray_gds.stores.lock`), probes keys with
+one ``lstat`` and removes the directories a failed write left empty.
+:class:`DirectorySource` is zarr's own ``LocalStore``: read through its ``get``,
+written as a local directory."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, cpu
 from zarr.storage import LocalStore
 
-from xarray_gds.io import local as _local
+from xarray_gds.batch import Fetched, HostBatch, offload
+from xarray_gds.stores import files as _local
+from xarray_gds.stores.base import Opened, Ranges, Source, WriterLock
+from xarray_gds.stores.generic import StoreSource
+from xarray_gds.stores.lock import FileLock, lock_path
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
-__all__ = ["GdsStore", "is_metadata_key"]
+__all__ = ["DirectorySource", "GdsStore", "LocalSource", "is_metadata_key"]
 
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
@@ -98,7 +107,7 @@ class GdsStore(LocalStore):
 
     def chunk_paths(self, keys: list[str]) -> list[str]:
         """The files that hold ``keys`` (checked as :meth:`resolve` checks them): what
-        the engine's batched reads of chunks read (:class:`xarray_gds.sources.LocalSource`)."""
+        the engine's batched reads of chunks read (:class:`xarray_gds.stores.LocalSource`)."""
         root = os.fspath(self.root)
         for key in keys:
             self._check_key(key)
@@ -246,3 +255,169 @@ class GdsStore(LocalStore):
 
     def __str__(self) -> str:
         return f"file://{self.root.as_posix()}"
+
+
+# -- the local kind ----------------------------------------------------------------------
+
+#: the documents one of which a Zarr store's root holds
+_ROOT_METADATA = ("zarr.json", ".zgroup", ".zarray", ".zmetadata")
+
+
+def _open_path(text: str, read_only: bool) -> GdsStore:
+    """The :class:`GdsStore` of an existing local Zarr store at ``text``."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"No such Zarr store: '{path}'")
+    netcdf = _netcdf_kind(path)
+    if netcdf is not None:
+        raise ValueError(
+            f"'{path}' is a {netcdf} file, not a Zarr store: open it with "
+            f"{_NETCDF_ENGINES[netcdf]} (read on the host), or make a reference set of it "
+            "with kerchunk or VirtualiZarr and open that with engine='gds-zarr' to decode "
+            "its chunks on the GPU (see the NetCDF page of the docs, docs/netcdf.md)"
+        )
+    if not path.is_dir() or not any((path / name).exists() for name in _ROOT_METADATA):
+        raise ValueError(
+            f"'{path}' is not a Zarr store: it is not a directory holding "
+            "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
+        )
+    return GdsStore(path, read_only=read_only)
+
+
+#: the first bytes of HDF5 (NetCDF-4) and NetCDF classic files
+_NETCDF_MAGIC = {
+    b"\x89HDF\r\n\x1a\n": "NetCDF-4/HDF5",
+    b"CDF\x01": "NetCDF classic",
+    b"CDF\x02": "NetCDF classic",
+    b"CDF\x05": "NetCDF CDF-5",
+}
+_NETCDF_ENGINES = {
+    "NetCDF-4/HDF5": "xr.open_dataset(path, engine='netcdf4') or engine='h5netcdf'",
+    "NetCDF classic": "xr.open_dataset(path, engine='netcdf4') or engine='scipy'",
+    "NetCDF CDF-5": "xr.open_dataset(path, engine='netcdf4')",
+}
+
+
+def _netcdf_kind(path: Path) -> str | None:
+    """``"NetCDF-4/HDF5"`` or ``"NetCDF classic"`` when ``path`` is a file that starts as
+    one does (an HDF5 signature may also follow a user block of 512, 1024, ... bytes)."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as file:
+            head = file.read(8)
+            for start in (512, 1024, 2048):
+                if head.startswith(tuple(_NETCDF_MAGIC)):
+                    break
+                file.seek(start)
+                head = file.read(8)
+    except OSError:
+        return None
+    return next((kind for magic, kind in _NETCDF_MAGIC.items() if head.startswith(magic)), None)
+
+
+class _LocalWrites(Source):
+    """The write side of a local directory: the lock file, ``lstat`` probes and the
+    removal of the directories a failed write left empty."""
+
+    writes = True
+    locking = True
+    probes = True
+
+    def writer_lock(self, timeout: float | None) -> WriterLock | None:
+        return FileLock(lock_path(self.store.root), self.store).acquire(timeout)
+
+    def existed(self, key: str) -> bool:
+        return os.path.lexists(os.path.join(self.store.root, key))
+
+    def after_failed_write(self, removed: set[str]) -> None:
+        _remove_empty_dirs(os.fspath(self.store.root), removed)
+
+
+def _remove_empty_dirs(root: str, keys: Iterable[str]) -> None:
+    """Remove the directories of ``keys`` below ``root`` that are empty, deepest first."""
+    parents: set[str] = set()
+    for key in keys:
+        parts = key.split("/")[:-1]
+        parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+    for parent in sorted(parents, key=lambda p: -p.count("/")):
+        try:
+            os.rmdir(os.path.join(root, parent))
+        except OSError:  # not empty: it holds what was there before
+            continue
+
+
+class LocalSource(_LocalWrites):
+    """Files of a :class:`GdsStore`: read by kvikio into one device arena (GPUDirect
+    Storage or kvikio's compat mode), or by the host pool's ``preadv`` calls; the files
+    of every local store in a batch are read together. Opens local paths and
+    ``file://`` URLs."""
+
+    device_reads = True
+    ranged_reads = True
+    sizes = True
+    streams = True
+    writes_in_threads = True
+
+    @classmethod
+    def claims(cls, store: Any) -> bool:
+        return isinstance(store, GdsStore)
+
+    @classmethod
+    def opens(cls, target: Any) -> bool:
+        if not isinstance(target, str | os.PathLike):
+            return False
+        text = os.fspath(target)
+        return "://" not in text or text.startswith("file://")
+
+    @classmethod
+    def open(
+        cls,
+        target: Any,
+        *,
+        mode: str,
+        storage_options: dict[str, Any] | None,
+        consolidated: bool | None = None,
+    ) -> Opened:
+        text = os.fspath(target).removeprefix("file://")
+        if mode.startswith("w"):  # a write may create it
+            return Opened(GdsStore(Path(text), read_only=False), storage_options, consolidated)
+        return Opened(_open_path(text, mode == "r"), storage_options, consolidated)
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        return list(self.store.chunk_paths(keys))
+
+    @classmethod
+    def read_all(
+        cls, sources: Sequence[Any], locations: list[Any], on_device: bool, slots: Any
+    ) -> Fetched:
+        if not on_device:
+            return HostBatch(_local.read_files_host(locations))
+        return _local.read_files_device(locations, slots)
+
+    @classmethod
+    def read_ranges_all(
+        cls, sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
+    ) -> Fetched:
+        starts, sizes = ranges
+        if not on_device:
+            return HostBatch(_local.read_ranges_host(locations, starts, sizes))
+        return _local.read_ranges_device(locations, starts, sizes)
+
+    def read_one(self, location: Any) -> np.ndarray | None:
+        return _local.read_file(location)
+
+    async def read_end(self, key: str, nbytes: int, at_end: bool) -> tuple[np.ndarray, int] | None:
+        """As :meth:`Source.read_end`, with one open, one ``fstat`` and one ``pread`` of
+        the file, in the engine's threads."""
+        path = str(self.store.resolve(key))
+        return await asyncio.wrap_future(offload(_local.read_end, path, nbytes, at_end))
+
+
+class DirectorySource(_LocalWrites, StoreSource):
+    """A zarr ``LocalStore`` that is not a :class:`GdsStore`: read through its own
+    ``get``, written as a local directory (lock file, probes, clean-up)."""
+
+    @classmethod
+    def claims(cls, store: Any) -> bool:
+        return isinstance(store, LocalStore)

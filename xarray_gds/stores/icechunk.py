@@ -9,12 +9,12 @@ and the bytes of inline chunks. :class:`IcechunkSource` reads from there:
 
 - native chunks of a repository on the local filesystem (``<root>/chunks/<id>``) and
   virtual chunks in local files: byte ranges of files, read as the ranges of kerchunk
-  references are (:func:`xarray_gds.refs.read_references`: kvikio into device memory,
+  references are (:func:`xarray_gds.stores.refs.read_references`: kvikio into device memory,
   ``pread`` on the host);
 - native chunks of a repository on S3 (``s3://<bucket>/<prefix>/chunks/<id>``) and
   virtual chunks at ``s3://`` and ``http(s)://`` URLs: the remote route
-  (:func:`xarray_gds.remote.read_device`, kvikio's ``RemoteFile``; on the host
-  :func:`xarray_gds.remote.read_host`, with its bounded retries);
+  (:func:`xarray_gds.stores.remote.read_device`, kvikio's ``RemoteFile``; on the host
+  :func:`xarray_gds.stores.remote.read_host`, with its bounded retries);
 - inline chunks: the bytes Icechunk hands over.
 
 Native chunks need to know where the repository's storage lies, which a session does
@@ -41,11 +41,13 @@ import numpy as np
 from zarr.abc.store import Store
 from zarr.storage import WrapperStore
 
-from xarray_gds import remote
 from xarray_gds.batch import DeviceBatch, Fetched, HostBatch
 from xarray_gds.errors import XarrayGdsWarning, array_of, warn
-from xarray_gds.refs import Reference, narrow, read_references
-from xarray_gds.sources import Ranges, Source, StoreSource, join
+from xarray_gds.stores import remote
+from xarray_gds.stores.base import Opened, Ranges, Source, join
+from xarray_gds.stores.generic import StoreSource
+from xarray_gds.stores.refs import Reference, narrow, read_references
+from xarray_gds.stores.urls import store_url
 
 __all__ = [
     "ChunkStorage",
@@ -191,10 +193,6 @@ class IcechunkReadStore(WrapperStore[Store]):
 
     def _with_store(self, store: Store) -> IcechunkReadStore:
         return type(self)(store, self.storage)
-
-    def chunk_source(self) -> IcechunkSource:
-        """The engine's source for this store (:func:`xarray_gds.sources.source_for`)."""
-        return IcechunkSource(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"store": self._store, "storage": self.storage}
@@ -359,12 +357,42 @@ def _virtual(key: str, url: str, offset: int, size: int, store: IcechunkReadStor
 
 class IcechunkSource(Source):
     """Chunks of an Icechunk session's store, read where Icechunk says they lie (see
-    the module); the others through the session's ``get``."""
+    the module); the others through the session's ``get``. Opens a session's store
+    (its storage from ``storage_options``); writes go into the session, whose commit
+    publishes them whole."""
 
-    kind = "icechunk"
+    device_reads = True
+    ranged_reads = True
+    commits = True
+
+    @classmethod
+    def claims(cls, store: Any) -> bool:
+        return isinstance(store, IcechunkReadStore) or is_icechunk_store(store)
+
+    @classmethod
+    def opens(cls, target: Any) -> bool:
+        return is_icechunk_store(target)
+
+    @classmethod
+    def open(
+        cls,
+        target: Any,
+        *,
+        mode: str,
+        storage_options: dict[str, Any] | None,
+        consolidated: bool | None = None,
+    ) -> Opened:
+        # a Store object takes no storage_options: they say where its chunks lie
+        return Opened(
+            IcechunkReadStore(target, chunk_storage(storage_options)[0]), None, consolidated
+        )
+
+    @classmethod
+    def for_store(cls, store: Any) -> Source:
+        return cls(store if isinstance(store, IcechunkReadStore) else IcechunkReadStore(store))
 
     def locate(self, keys: list[str]) -> list[Any]:
-        store: IcechunkReadStore = self.store  # made by IcechunkReadStore.chunk_source
+        store: IcechunkReadStore = self.store  # made by IcechunkSource.for_store
         storage = store.storage
         by_array: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
@@ -439,15 +467,15 @@ class IcechunkSource(Source):
         if fallbacks:
             _warn_fallback(store, table.path or "/", "; ".join(fallbacks))
 
-    @staticmethod
+    @classmethod
     def read_all(
-        sources: Sequence[Any], locations: list[Any], on_device: bool, slots: np.ndarray | None
+        cls, sources: Sequence[Any], locations: list[Any], on_device: bool, slots: Any
     ) -> Fetched:
         return _read(sources, locations, on_device, None)
 
-    @staticmethod
+    @classmethod
     def read_ranges_all(
-        sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
+        cls, sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
     ) -> Fetched:
         return _read(sources, locations, on_device, ranges)
 
@@ -562,7 +590,7 @@ def _read_remote(locations: list[_Remote], on_device: bool) -> Fetched:
         )
         raise OSError(
             f"chunk {loc.key!r} of the Icechunk repository is not at "
-            f"{remote.store_url(loc.store)}/{loc.name} ({len(missing)} chunks missing): "
+            f"{store_url(loc.store)}/{loc.name} ({len(missing)} chunks missing): "
             f"{check}, or read the repository with engine='zarr'"
         )
     return got if on_device else HostBatch(found)

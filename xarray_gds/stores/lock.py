@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WriterLock", "lock_path", "writer_lock"]
+__all__ = ["DEFAULT_TIMEOUT", "FileLock", "ProcessLock", "lock_path"]
 
 #: Seconds a writer waits for another one's lock by default.
 DEFAULT_TIMEOUT = 600.0
@@ -48,45 +48,33 @@ def lock_path(root: str | os.PathLike[str]) -> Path:
     return real.parent / f".{real.name}.xarray-gds.lock"
 
 
-class WriterLock:
-    """The writer lock of one store, taken by :meth:`acquire`, given back by :meth:`release`."""
+class FileLock:
+    """An advisory ``flock`` on the file ``path``, naming its holder in the file: taken
+    by :meth:`acquire`, given back by :meth:`release`. ``store`` names the store in
+    errors."""
 
-    def __init__(self, store: Any) -> None:
-        from zarr.storage import LocalStore, MemoryStore
-
+    def __init__(self, path: Path, store: Any) -> None:
+        self.path = path
         self.store = store
-        self.path: Path | None = None
-        self.memory: str | None = None
-        if isinstance(store, LocalStore):
-            self.path = lock_path(store.root)
-        elif isinstance(store, MemoryStore):
-            self.memory = str(store)  # memory://<id of its dict>: shared by its copies
         self._fd: int | None = None
-        self._held = False
 
-    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT) -> FileLock:
         """Wait until no other writer holds the lock, at most ``timeout`` seconds
-        (``None``: as long as it takes).
+        (``None``: as long as it takes); returns the lock.
 
         Raises
         ------
         TimeoutError
             After ``timeout`` seconds, naming the lock file and the writer holding it.
         """
-        if self.path is not None:
-            self._acquire_file(self.path, timeout)
-        elif self.memory is not None:
-            self._acquire_memory(self.memory, timeout)
+        self._acquire_file(self.path, timeout)
+        return self
 
     def release(self) -> None:
         """Give the lock back (nothing when it is not held)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing the last descriptor of the file releases the flock
-        if self._held and self.memory is not None:
-            self._held = False
-            _memory_holders.pop(self.memory, None)
-            _memory_locks[self.memory].release()
 
     def _acquire_file(self, path: Path, timeout: float | None) -> None:
         import fcntl
@@ -130,7 +118,19 @@ class WriterLock:
             raise
         self._fd = fd
 
-    def _acquire_memory(self, key: str, timeout: float | None) -> None:
+
+class ProcessLock:
+    """A lock of this process named by ``key`` (a memory store's, shared by its copies):
+    taken by :meth:`acquire`, given back by :meth:`release`."""
+
+    def __init__(self, key: str, store: Any) -> None:
+        self.key = key
+        self.store = store
+        self._held = False
+
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT) -> ProcessLock:
+        """As :meth:`FileLock.acquire`, within this process."""
+        key = self.key
         with _memory_guard:
             lock = _memory_locks.setdefault(key, threading.Lock())
         if not lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
@@ -141,10 +141,11 @@ class WriterLock:
             )
         _memory_holders[key] = f"thread {threading.current_thread().name!r}"
         self._held = True
+        return self
 
-
-def writer_lock(store: Any, timeout: float | None = DEFAULT_TIMEOUT) -> WriterLock:
-    """The writer lock of ``store``, acquired (see :meth:`WriterLock.acquire`)."""
-    lock = WriterLock(store)
-    lock.acquire(timeout)
-    return lock
+    def release(self) -> None:
+        """Give the lock back (nothing when it is not held)."""
+        if self._held:
+            self._held = False
+            _memory_holders.pop(self.key, None)
+            _memory_locks[self.key].release()

@@ -6,7 +6,7 @@ VirtualiZarr's ``to_kerchunk`` write it) maps each Zarr key to its bytes: metada
 small chunks inline, other chunks as ``[url, offset, length]`` ranges of the original
 files. fsspec's ``ReferenceFileSystem`` loads the set (both formats, templates and
 generators); :class:`ReferenceStore` is a read-only zarr Store over it, and
-:class:`~xarray_gds.sources.ReferenceSource` hands the chunk ranges to the read engine,
+:class:`ReferenceSource` hands the chunk ranges to the read engine,
 which reads them straight from the files (kvikio into device memory, or ``pread`` on
 the host; every range of a batch in flight) and decodes them in batches like any other
 Zarr chunk.
@@ -29,14 +29,16 @@ import numpy as np
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer
 
-from xarray_gds.batch import parallel
-from xarray_gds.remote import mask_logs, public_url, redact, scrubbed
+from xarray_gds.batch import Fetched, HostBatch, parallel
+from xarray_gds.stores.base import Opened, Ranges, Source
+from xarray_gds.stores.urls import mask_logs, public_url, redact, scrubbed
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
 
 __all__ = [
     "Reference",
+    "ReferenceSource",
     "ReferenceRangeError",
     "ReferenceStore",
     "ReferenceTargetError",
@@ -324,7 +326,7 @@ class ReferenceStore(Store):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
-        from xarray_gds.io.local import byte_span as _byte_span
+        from xarray_gds.stores.files import byte_span as _byte_span
 
         ref = self.resolve(key)
         if ref is None:
@@ -483,12 +485,12 @@ def read_references(
     """The bytes of every reference (``None``: a key the set does not hold, read as a
     missing chunk): one DeviceBatch when ``on_device``, else a list of uint8 arrays.
 
-    Local ranges are read by :func:`xarray_gds.io.local.read_ranges_device` (kvikio, or
+    Local ranges are read by :func:`xarray_gds.stores.files.read_ranges_device` (kvikio, or
     staged through pinned memory for small ranges) or
-    :func:`~xarray_gds.io.local.read_ranges_host`; inline bytes are copied in, remote
+    :func:`~xarray_gds.stores.files.read_ranges_host`; inline bytes are copied in, remote
     ranges read through fsspec on the host.
     """
-    from xarray_gds.io.local import read_ranges_device, read_ranges_host
+    from xarray_gds.stores.files import read_ranges_device, read_ranges_host
 
     n = len(refs)
     starts = np.array([0 if r is None else r.offset for r in refs], dtype=np.int64)
@@ -518,3 +520,56 @@ def read_references(
     for i, data in extra.items():
         arrays[i] = cp.asarray(np.frombuffer(data, dtype=np.uint8))
     return pack(arrays)
+
+
+class ReferenceSource(Source):
+    """Chunks of a reference set (:class:`ReferenceStore`): byte ranges of the files they
+    point at, read by kvikio into one device arena or by ``pread`` on the host, and
+    inline chunks. Opens a reference set (:func:`is_reference_set`), read-only."""
+
+    device_reads = True
+    ranged_reads = True
+
+    @classmethod
+    def claims(cls, store: Any) -> bool:
+        return isinstance(store, ReferenceStore)
+
+    @classmethod
+    def opens(cls, target: Any) -> bool:
+        return is_reference_set(target)
+
+    @classmethod
+    def open(
+        cls,
+        target: Any,
+        *,
+        mode: str,
+        storage_options: dict[str, Any] | None,
+        consolidated: bool | None = None,
+    ) -> Opened:
+        store, consolidated = open_reference_store(target, mode, storage_options, consolidated)
+        return Opened(store, None, consolidated)
+
+    def locate(self, keys: list[str]) -> list[Any]:
+        resolve = self.store.resolve
+        return [resolve(key) for key in keys]
+
+    @classmethod
+    def read_all(
+        cls, sources: Sequence[Any], locations: list[Any], on_device: bool, slots: Any
+    ) -> Fetched:
+        found = read_references(locations, on_device, [s.store for s in sources])
+        return found if on_device else HostBatch(found)
+
+    @classmethod
+    def read_ranges_all(
+        cls, sources: Sequence[Any], locations: list[Any], ranges: Ranges, on_device: bool
+    ) -> Fetched:
+        """Byte ranges of referenced chunks (inner chunks of a shard a reference points
+        at): each reference narrowed to its range, then read as :meth:`read_all`."""
+        starts, sizes = ranges
+        narrowed = [
+            None if ref is None else narrow(ref, int(start), int(size))
+            for ref, start, size in zip(locations, starts.tolist(), sizes.tolist(), strict=True)
+        ]
+        return cls.read_all(sources, narrowed, on_device, None)

@@ -1,0 +1,254 @@
+"""Every store kind against the conformance suite (:mod:`xarray_gds.testing`), and the
+registry that picks them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from zarr.core.buffer import cpu
+from zarr.core.sync import sync
+from zarr.storage import LocalStore, MemoryStore
+
+from tests._http import serve
+from xarray_gds import stores
+from xarray_gds.deferred import HeldMetadataStore
+from xarray_gds.stores.local import GdsStore
+from xarray_gds.testing import StoreKindTests
+
+
+def _write_files(root: Path, objects: dict[str, bytes]) -> None:
+    for key, data in objects.items():
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+class TestLocal(StoreKindTests):
+    kind = stores.LocalSource
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        root = tmp_path / "local.zarr"
+        _write_files(root, objects)
+        (root / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+        return GdsStore(root, read_only=True)
+
+    def target(self, tmp_path: Path, store: Any) -> Any:
+        return str(store.root)
+
+    def writable_store(self, tmp_path: Path) -> Any:
+        return GdsStore(tmp_path / "written.zarr", read_only=False)
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        path = Path(store.root) / key
+        path.unlink()
+        path.mkdir()  # a directory where the chunk's file was
+        return True
+
+
+class TestDirectory(StoreKindTests):
+    kind = stores.DirectorySource
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        root = tmp_path / "plain.zarr"
+        _write_files(root, objects)
+        return LocalStore(root, read_only=True)
+
+    def writable_store(self, tmp_path: Path) -> Any:
+        return LocalStore(tmp_path / "written.zarr", read_only=False)
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        (Path(store.root) / key).write_bytes(b"xx")  # cut short
+        return True
+
+
+class TestMemory(StoreKindTests):
+    kind = stores.MemorySource
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        return MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in objects.items()})
+
+    def writable_store(self, tmp_path: Path) -> Any:
+        return MemoryStore()
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        store._store_dict[key] = cpu.Buffer.from_bytes(b"xx")  # cut short
+        return True
+
+
+class TestReferences(StoreKindTests):
+    """A kerchunk reference set: every object a byte range of one file (the empty one
+    inline)."""
+
+    kind = stores.ReferenceSource
+
+    def _refs(self, tmp_path: Path, objects: dict[str, bytes]) -> dict[str, Any]:
+        blob = tmp_path / "blob.bin"
+        refs: dict[str, Any] = {".zgroup": json.dumps({"zarr_format": 2})}
+        offset = 0
+        with blob.open("wb") as f:
+            for key, data in objects.items():
+                if not data:
+                    refs[key] = "base64:" + base64.b64encode(data).decode()
+                    continue
+                f.write(data)
+                refs[key] = [str(blob), offset, len(data)]
+                offset += len(data)
+        return {"version": 1, "refs": refs}
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        refs = self._refs(tmp_path, objects)
+        path = tmp_path / "refs.json"
+        path.write_text(json.dumps(refs))
+        opened = stores.open_target(str(path), mode="r", storage_options=None)
+        assert opened is not None
+        return opened.store
+
+    def target(self, tmp_path: Path, store: Any) -> Any:
+        return str(tmp_path / "refs.json")
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        (tmp_path / "blob.bin").write_bytes(b"")  # every range now past the file's end
+        return True
+
+
+class TestRemote(StoreKindTests):
+    """Objects over HTTP (the suite's loopback server), through fsspec on the host and
+    a kvikio stand-in on the device."""
+
+    kind = stores.RemoteSource
+
+    @pytest.fixture
+    def store(self, tmp_path: Path, held: dict[str, bytes]) -> Iterator[Any]:
+        root = tmp_path / "served"
+        _write_files(root / "r.zarr", held)
+        (root / "r.zarr" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+        with serve(root) as base:
+            self.url = f"{base}/r.zarr"
+            yield stores.RemoteSource.open(self.url, mode="r", storage_options=None).store
+
+    def target(self, tmp_path: Path, store: Any) -> Any:
+        return self.url
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        (tmp_path / "served" / "r.zarr" / key).write_bytes(b"xx")  # cut short
+        return True
+
+
+class TestIcechunk(StoreKindTests):
+    """An Icechunk repository on the local filesystem: its objects are the chunks of a
+    real array (Icechunk holds nothing else), uncompressed."""
+
+    kind = stores.IcechunkSource
+
+    def objects(self, tmp_path: Path) -> dict[str, bytes]:
+        return {f"a/c/{i}": np.arange(i, i + 64, dtype="u1").tobytes() for i in range(4)}
+
+    def missing_key(self) -> str:
+        return "a/c/5"
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        icechunk = pytest.importorskip("icechunk")
+        import zarr
+
+        repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "r")))
+        session = repo.writable_session("main")
+        array = zarr.create_array(
+            session.store, name="a", shape=(6 * 64,), chunks=(64,), dtype="u1", compressors=None
+        )
+        for key, data in objects.items():
+            i = int(key.rsplit("/", 1)[1])
+            array[i * 64 : (i + 1) * 64] = np.frombuffer(data, dtype="u1")
+        session.commit("the suite's objects")
+        opened = stores.open_target(
+            repo.readonly_session("main").store,
+            mode="r",
+            storage_options={"icechunk_storage": str(tmp_path / "r")},
+        )
+        assert opened is not None
+        return opened.store
+
+
+# -- the registry ------------------------------------------------------------------------
+
+
+def test_registry_order_and_fallback(tmp_path: Path) -> None:
+    """Kinds are asked in order; any other zarr Store is read through its ``get``; a
+    store held for a write is read as the store it wraps."""
+    order = stores.kinds()
+    assert order[0] is stores.ReferenceSource and order[-1] is stores.StoreSource
+    assert order.index(stores.RemoteSource) < order.index(stores.LocalSource)
+    from zarr.storage import ZipStore
+
+    zipped = ZipStore(tmp_path / "z.zip", mode="w")
+    assert type(stores.source_for(zipped)) is stores.StoreSource
+    zipped.close()
+    held = HeldMetadataStore(MemoryStore(), lock_timeout=1)
+    try:
+        assert type(stores.source_for(held)) is stores.MemorySource
+    finally:
+        held.discard()
+    local = GdsStore(tmp_path / "x.zarr", read_only=False)
+    held = HeldMetadataStore(local, lock_timeout=1)
+    try:
+        source = stores.source_for(held)
+        assert type(source) is stores.LocalSource and source.writes_in_threads
+    finally:
+        held.discard()
+
+
+def test_a_fifth_kind_joins_the_registry(tmp_path: Path) -> None:
+    """A kind registered before the fallback claims its stores; the others stay."""
+
+    class Tagged(MemoryStore):
+        pass
+
+    class TaggedSource(stores.StoreSource):
+        @classmethod
+        def claims(cls, store: Any) -> bool:
+            return isinstance(store, Tagged)
+
+    before = stores.kinds()
+    stores.register(TaggedSource, before=stores.MemorySource)
+    try:
+        assert type(stores.source_for(Tagged())) is TaggedSource
+        assert type(stores.source_for(MemoryStore())) is stores.MemorySource
+    finally:
+        stores.base._KINDS[:] = before
+    assert stores.kinds() == before
+
+
+def test_memory_lock_excludes_a_second_writer() -> None:
+    store = MemoryStore()
+    first = stores.source_for(store).writer_lock(1)
+    assert first is not None
+    try:
+        with pytest.raises(TimeoutError, match="another writer"):
+            stores.source_for(store).writer_lock(0.05)
+    finally:
+        first.release()
+    again = stores.source_for(store).writer_lock(0.05)
+    assert again is not None
+    again.release()
+
+
+def test_local_kind_keeps_reading_after_a_store_moves(tmp_path: Path) -> None:
+    """A path opens as a GdsStore checked to hold a Zarr store."""
+    with pytest.raises(FileNotFoundError):
+        stores.open_target(str(tmp_path / "none.zarr"), mode="r", storage_options=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a Zarr store"):
+        stores.open_target(str(tmp_path / "empty"), mode="r", storage_options=None)
+    root = tmp_path / "g.zarr"
+    root.mkdir()
+    (root / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+    opened = stores.open_target(f"file://{root}", mode="r", storage_options=None)
+    assert opened is not None and isinstance(opened.store, GdsStore)
+    assert sync(opened.store.get("zarr.json", cpu.buffer_prototype)) is not None
+    shutil.rmtree(root)

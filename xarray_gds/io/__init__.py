@@ -1,2 +1,0 @@
-"""Byte I/O under the stores and the read engine: :mod:`.local` reads and writes local
-files."""
