@@ -554,6 +554,7 @@ _CODEC_MARKS = {
     "zlib": "zlib(",
     "shuffle-zstd": "shuffle(",
     "delta-zlib": "delta(",
+    "shuffle-zlib": "numcodecs.shuffle(elementsize=4)",
     "lzma": "numcodecs.lzma(preset=1)",
     "bz2": "bz2(level=5)",
 }
