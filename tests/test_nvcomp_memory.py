@@ -4,6 +4,9 @@ codec)."""
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -66,3 +69,42 @@ def test_success_calls_once(log: list[str]) -> None:
     call = _codec(log, [])
     assert nvcomp._retry_out_of_memory(_stream(log), call, "in", "out") == ("in", "out")
     assert log == ["call"]
+
+
+class _Codec:
+    """Stands in for an nvCOMP codec (which holds device scratch memory)."""
+
+
+def test_a_finished_threads_stream_and_codecs_are_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Stream:
+        def __init__(self, non_blocking: bool) -> None:
+            assert non_blocking
+
+    fake_cupy = SimpleNamespace(
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0), Stream=Stream)
+    )
+    monkeypatch.setattr(nvcomp._device, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(nvcomp, "_release_registered", True)  # no exit handler from a test
+    before = len(nvcomp._all_states)
+    codecs: list[weakref.ref[_Codec]] = []
+    streams: list[weakref.ref[Stream]] = []
+
+    def work() -> None:
+        stream, held = nvcomp._state()
+        held["zstd"] = _Codec()
+        codecs.append(weakref.ref(held["zstd"]))
+        streams.append(weakref.ref(stream))
+        assert nvcomp._state() == (stream, held)  # the thread keeps its own pair
+        assert len(nvcomp._all_states) == before + 1
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+        t.join()
+    gc.collect()
+    assert len(codecs) == 3
+    assert [c() for c in codecs] == [None] * 3
+    assert [s() for s in streams] == [None] * 3
+    assert len(nvcomp._all_states) == before

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import re
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +33,24 @@ __all__ = ["decode", "decode_blosc", "gather", "pack"]
 _BLOSC = BLOSC.name  # names Blosc's streams' codec in errors
 
 _local = threading.local()
-_all_states: list[Any] = []  # every thread's (stream, codecs), released at exit
+
+
+class _State:
+    """One thread's CUDA stream and nvCOMP codecs on one device. Only the thread holds
+    it (in :data:`_local`): when the thread ends, its codecs and their device scratch
+    memory go with it (threads come and go: dask's, a caller's, the engine's per-read
+    servers), and :data:`_all_states` keeps no thread's state alive."""
+
+    __slots__ = ("__weakref__", "codecs", "gpu", "stream")
+
+    def __init__(self, stream: Any, gpu: int) -> None:
+        self.stream = stream
+        self.codecs: dict[str, Any] = {}
+        self.gpu = gpu
+
+
+_all_states: weakref.WeakSet[_State] = weakref.WeakSet()  # the live threads' states
+_release_registered = False
 
 
 def _nvcomp() -> Any:
@@ -50,25 +68,26 @@ def _state() -> tuple[Any, dict[str, Any]]:
     """This thread's CUDA stream and nvCOMP codecs on the current device (a Codec is
     not thread-safe, and a stream and a Codec belong to the device current when they
     were made: a thread that serves requests for several GPUs keeps one pair each)."""
+    global _release_registered
     cp = _device.cupy()
     gpu = cp.cuda.Device().id
     per_device = _local.__dict__.setdefault("devices", {})
     if gpu not in per_device:
-        if not _all_states:
+        if not _release_registered:
             # registered after CuPy's own exit handlers, so it runs before them:
             # nvCOMP codecs must go before the streams and the context they use
             atexit.register(_release)
-        state = {"stream": cp.cuda.Stream(non_blocking=True), "codecs": {}, "gpu": gpu}
+            _release_registered = True
+        state = _State(cp.cuda.Stream(non_blocking=True), gpu)
         per_device[gpu] = state
-        _all_states.append(state)
+        _all_states.add(state)
     state = per_device[gpu]
-    return state["stream"], state["codecs"]
+    return state.stream, state.codecs
 
 
 def _release() -> None:
-    for state in _all_states:
-        state.get("codecs", {}).clear()
-    _all_states.clear()
+    for state in list(_all_states):
+        state.codecs.clear()
 
 
 def _retry_out_of_memory(stream: Any, call: Callable[..., Any], inputs: Any, out: Any) -> Any:
