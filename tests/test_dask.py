@@ -302,3 +302,61 @@ def test_unpickled_dataset_joins_block_reads_in_a_fresh_process(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "_Optimizer"
+
+
+def _as_device_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer takes the numpy values of data variables for device values (a CPU
+    stand-in): it writes them through the one-block dask arrays it makes of them."""
+    import xarray_gds.write
+
+    real = xarray_gds.write.device_of
+    monkeypatch.setattr(
+        xarray_gds.write,
+        "device_of",
+        lambda data: "cuda" if isinstance(data, np.ndarray) and data.ndim == 3 else real(data),
+    )
+
+
+def test_device_writes_stay_in_this_process_under_a_cluster(
+    monkeypatch: pytest.MonkeyPatch, cluster_client: Any
+) -> None:
+    """A distributed client is dask's default scheduler: the writer's own graphs still
+    run here, so an in-memory store gets every chunk (a worker would fill its copy)."""
+    import zarr
+
+    import xarray_gds
+
+    _as_device_values(monkeypatch)
+    ds = sample_dataset()
+    store = zarr.storage.MemoryStore()
+    xarray_gds.to_zarr(ds, store, zarr_format=3, consolidated=False)
+    back = xr.open_dataset(store, engine="zarr", consolidated=False).load()
+    ref_store = zarr.storage.MemoryStore()
+    ds.to_zarr(ref_store, zarr_format=3, consolidated=False)
+    ref = xr.open_dataset(ref_store, engine="zarr", consolidated=False).load()
+    xr.testing.assert_identical(back, ref)
+    assert sorted(k for k in store._store_dict if "/c/" in k) == sorted(
+        k for k in ref_store._store_dict if "/c/" in k
+    )
+
+
+def test_device_writes_into_an_icechunk_session_under_a_cluster(
+    monkeypatch: pytest.MonkeyPatch, cluster_client: Any, tmp_path: Path
+) -> None:
+    icechunk = pytest.importorskip("icechunk")
+    import xarray_gds
+
+    _as_device_values(monkeypatch)
+    ds = sample_dataset()
+    repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "r")))
+    session = repo.writable_session("main")
+    xarray_gds.to_zarr(ds, session.store, mode="w", consolidated=False)
+    session.commit("device values")
+    got = xr.open_dataset(
+        repo.readonly_session("main").store, engine="zarr", consolidated=False
+    ).load()
+    ref_store = __import__("zarr").storage.MemoryStore()
+    ds.to_zarr(ref_store, zarr_format=3, consolidated=False)
+    xr.testing.assert_identical(
+        got, xr.open_dataset(ref_store, engine="zarr", consolidated=False).load()
+    )

@@ -65,11 +65,34 @@ def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
         data: Any = var._data
         if name in ds.indexes or var.ndim == 0:
             continue
-        if hasattr(data, "dask") and hasattr(data, "map_blocks"):
+        if _is_dask(data):
             user_dask = True
         elif device_of(data) == "cuda":
             out[name] = out[name].copy(data=_one_block(var), deep=False)
     return out, user_dask
+
+
+def _write(prepared: xr.Dataset, store: Any, ds: xr.Dataset, kwargs: dict[str, Any]) -> Any:
+    """``prepared.to_zarr(store, **kwargs)``, the one-block dask variables that
+    :func:`for_device_write` made of ``ds``'s device values computed in this process
+    (dask's threads). Those graphs are the engine's, not the user's: on a
+    ``distributed`` cluster that happens to be dask's default scheduler, each worker
+    would write into its own copy of an in-memory store or of an Icechunk session, and
+    the write would be lost (with them, the user's own dask variables of the same write
+    are computed here too). A write of the user's dask variables only, or with
+    ``compute=False``, runs where the user's scheduler runs it, as with xarray."""
+    made_here = any(
+        _is_dask(var._data) and not _is_dask(ds.variables[name]._data)
+        for name, var in prepared.variables.items()
+    )
+    if not made_here or not kwargs.get("compute", True):
+        return prepared.to_zarr(store, **kwargs)
+    delayed = prepared.to_zarr(store, **{**kwargs, "compute": False})
+    return delayed.compute(scheduler="threads")
+
+
+def _is_dask(data: Any) -> bool:
+    return hasattr(data, "dask") and hasattr(data, "map_blocks")
 
 
 def to_zarr(
@@ -146,7 +169,7 @@ def to_zarr(
         # the metadata: written in the order zarr writes them, nothing held back
         try:
             with writing_to(store, levels):
-                return prepared.to_zarr(store, **kwargs)
+                return _write(prepared, store, ds, kwargs)
         except Exception as err:
             err.add_note(_uncommitted_note(store))
             raise
@@ -159,7 +182,7 @@ def to_zarr(
     try:
         try:
             with writing_to(held, levels):
-                result = prepared.to_zarr(held, **kwargs)
+                result = _write(prepared, held, ds, kwargs)
         except BaseException:
             held.discard()
             raise
