@@ -324,3 +324,44 @@ def test_write_empty_chunks_files_as_zarr(
     assert (first in files) == write_empty
     gds = xr.open_dataset(ours, engine="gds-zarr", device="cpu").load()
     assert_same(gds, xr.open_dataset(ref, engine="zarr").load(), "written")
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_backend_array_declares_the_native_order_it_returns(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    """An engine array over a big-endian zarr array with no CF plan (how a caller wraps
+    one zarr array itself) declares the dtype its reads return, in native byte order,
+    on every indexer kind; a variable over it is the same lazily and loaded, as
+    engine="zarr"'s. (The engine's own variables always carry a CF plan, whose dtype
+    xarray decodes to the native order, so only this construction shows the array's
+    own dtype.)"""
+    from xarray.core import indexing
+
+    from xarray_gds.array import GdsBackendArray
+
+    root, declared = _endian_store(tmp_path / "e.zarr", zarr_format, "big")
+    ref = xr.open_dataset(root, engine="zarr").load()
+    group = zarr.open_group(root, mode="r")
+    for name in declared:
+        za = group[name]
+        assert isinstance(za, zarr.Array)
+        native = declared[name].newbyteorder("=")
+        array = GdsBackendArray(za, name, "cpu")
+        assert array.dtype.str == native.str, (name, array.dtype.str)
+        keys = (
+            indexing.BasicIndexer((slice(1, 5), 3, slice(None, None, 3))),
+            indexing.OuterIndexer((np.array([0, 5, 2]), slice(None), np.array([1, 15]))),
+            indexing.VectorizedIndexer(
+                (np.array([0, 3, 5]), np.array([2, 19, 7]), np.array([0, 1, 15]))
+            ),
+        )
+        for key in keys:
+            got = array[key]
+            assert isinstance(got, np.ndarray), (name, key)
+            assert got.dtype.str == array.dtype.str, (name, key, got.dtype.str)
+        var = xr.Variable(DIMS, indexing.LazilyIndexedArray(array))
+        assert var.dtype.str == ref[name].dtype.str == native.str, (name, var.dtype.str)
+        loaded = var.load()
+        assert loaded.dtype.str == native.str, (name, loaded.dtype.str)
+        np.testing.assert_array_equal(loaded.values, ref[name].values, strict=True)
