@@ -1,0 +1,446 @@
+#!/usr/bin/env python
+"""Mutation testing by Cosmic Ray: mutants that no test author chose, module by module.
+
+``scripts/mutate.py`` applies a curated list of mutations; this script lets Cosmic Ray
+(``cosmic-ray`` on PyPI, the ``test`` extra) make every mutant its operators make in
+each module of the read and write paths (comparison, binary, unary and boolean
+operators swapped, numbers moved by one, ``not`` added, ``True``/``False`` swapped,
+``break``/``continue`` swapped, loops run zero times, decorators removed, exceptions
+replaced), and runs, for each mutant, the CPU test files that cover its module
+(``MODULES`` below, ``pytest -x``, the whole set a few seconds to a minute).
+
+The full space is about 4,000 mutants for the modules here, days of CPU time on a
+2-core machine, so each module runs a *sample*, chosen without a person in the loop:
+
+- mutants inside annotations are left out: every module has
+  ``from __future__ import annotations``, so annotations are never evaluated and a
+  mutant there (``str | None`` -> ``str & None``) is equivalent by construction;
+- the mutants are grouped by *site* (the operator's family and the exact source
+  position: the eleven binary-operator replacements of one ``+`` are one site), and
+  ``--sites`` sites a module (30 by default) are taken in the order of a SHA-256 of
+  (module, family, the site's source line, its column), so the sample depends on the
+  source only, and stays put when unrelated lines change;
+- for each site one of its mutants, the one with the smallest hash of the same kind.
+
+``--all`` runs every mutant instead (hours a module).
+
+The mutants run in a copy of the tree (``git archive`` of HEAD, or with ``--worktree``
+the working tree's tracked and untracked files), never in the checkout; each mutated
+file is put back after its tests by Cosmic Ray, and the copy is deleted at the end.
+The tests run against the copy (``PYTHONPATH``), without bytecode files. The unmutated
+copy's tests run first, module by module, and set the timeout (three times their
+time, at least 60 s); a failure there stops that module.
+
+A surviving mutant is looked up in ``docs/data/mutation-triage.json``, by module and
+the exact line before and after: ``"verdict": "equivalent"`` (with ``"reason"``: why
+no test can tell it from the original) counts it as equivalent; any other survivor is
+*open* and fails the run. ``"verdict": "killed"`` entries name the test written for a
+survivor of an earlier run (``"test"``); the results list which of them the sample
+holds, each killed now.
+
+Usage::
+
+    .venv/bin/python scripts/mutation-run.py                    # every module, HEAD
+    .venv/bin/python scripts/mutation-run.py place region       # those modules
+    .venv/bin/python scripts/mutation-run.py --sites 60         # a larger sample
+    .venv/bin/python scripts/mutation-run.py --worktree         # the working tree
+    .venv/bin/python scripts/mutation-run.py --list             # modules, tests, sizes
+
+The summary goes to ``docs/data/mutation.json`` (``--out``; with some modules only,
+their entries are replaced and the others kept) and a table is printed. Exit status:
+0 when no survivor is open, 1 when some are, 2 on a failing baseline.
+See docs/development.md, "Mutation testing".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TRIAGE = ROOT / "docs" / "data" / "mutation-triage.json"
+OUT = ROOT / "docs" / "data" / "mutation.json"
+
+#: module name -> (its file, the pytest arguments of the tests that cover it)
+MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "place": (
+        "xarray_gds/place.py",
+        ("tests/test_place.py", "tests/test_parts.py", "tests/test_region.py"),
+    ),
+    "coalesce": (
+        "xarray_gds/coalesce.py",
+        (
+            "tests/test_coalesce.py",
+            "tests/test_host_logic.py",
+            "tests/test_parts.py",
+            "tests/test_mutation_kills.py",
+        ),
+    ),
+    "decode": (
+        "xarray_gds/decode.py",
+        (
+            "tests/test_host_logic.py",
+            "tests/test_parts.py",
+            "tests/test_damage.py",
+            "tests/test_mutation_kills.py",
+        ),
+    ),
+    "region": (
+        "xarray_gds/region.py",
+        ("tests/test_region.py", "tests/test_parts.py", "tests/test_mutation_kills.py"),
+    ),
+    "sources": (
+        "xarray_gds/sources.py",
+        (
+            "tests/test_sources.py",
+            "tests/test_host_logic.py",
+            "tests/test_layouts.py::test_store_kinds_take_the_sources_they_name",
+            "tests/test_layouts.py::test_shard_index_at_either_end_from_every_store[memory-crc-end]",
+            "tests/test_layouts.py::test_shard_index_at_either_end_from_every_store[http-no-crc-start]",
+            "tests/test_mutation_kills.py",
+        ),
+    ),
+    "locking": (
+        "xarray_gds/locking.py",
+        ("tests/test_writers.py", "tests/test_mutation_kills.py"),
+    ),
+    "tidy": (
+        "xarray_gds/tidy.py",
+        ("tests/test_killed_writers.py", "-k", "tidy", "tests/test_mutation_kills.py"),
+    ),
+    "write": (
+        "xarray_gds/write.py",
+        (
+            "tests/test_write.py",
+            "tests/test_host_write.py",
+            "tests/test_writers.py",
+            "-k",
+            "not round_trip",
+        ),
+    ),
+    "store": (
+        "xarray_gds/store.py",
+        ("tests/test_store.py", "tests/test_deferred.py", "tests/test_mutation_kills.py"),
+    ),
+    "deferred": (
+        "xarray_gds/deferred.py",
+        (
+            "tests/test_deferred.py",
+            "tests/test_store.py",
+            "tests/test_writers.py",
+            "tests/test_mutation_kills.py",
+        ),
+    ),
+}
+
+PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly")
+
+
+def _family(operator: str) -> str:
+    """``core/ReplaceBinaryOperator_Add_Sub`` -> ``core/ReplaceBinaryOperator``."""
+    return re.sub(r"_[A-Za-z]+_[A-Za-z]+$", "", operator)
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()
+
+
+def _annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions, (line, column), of every annotation in ``source``."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        found: list[ast.expr | None] = []
+        if isinstance(node, ast.arg):
+            found.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+        for a in found:
+            if a is not None and a.end_lineno is not None and a.end_col_offset is not None:
+                spans.append(((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)))
+    return spans
+
+
+def _in(pos: tuple[int, int], spans: list[tuple[tuple[int, int], tuple[int, int]]]) -> bool:
+    return any(lo <= pos < hi for lo, hi in spans)
+
+
+def _copy_tree(dest: Path, worktree: bool) -> None:
+    if worktree:
+        names = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        ).stdout.split(b"\0")
+        for raw in names:
+            if not raw:
+                continue
+            src = ROOT / raw.decode()
+            if src.is_file():
+                (dest / raw.decode()).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / raw.decode())
+        return
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    tar = dest / ".head.tar"
+    tar.write_bytes(archive)
+    with tarfile.open(tar) as t:
+        t.extractall(dest, filter="data")
+    tar.unlink()
+
+
+def _changed_lines(diff: str) -> tuple[str, str]:
+    """The removed and added lines of a one-line diff, stripped."""
+    old = [
+        ln[1:].strip()
+        for ln in diff.splitlines()
+        if ln.startswith("-") and not ln.startswith("---")
+    ]
+    new = [
+        ln[1:].strip()
+        for ln in diff.splitlines()
+        if ln.startswith("+") and not ln.startswith("+++")
+    ]
+    return "\n".join(old), "\n".join(new)
+
+
+def _sample(
+    items: list[Any], path: Path, module: str, sites: int | None
+) -> tuple[list[Any], dict[str, int]]:
+    """The work items to run (see the module's docstring) and counts of those left out."""
+    source = path.read_text()
+    lines = source.splitlines()
+    spans = _annotation_spans(source)
+    by_site: dict[tuple[str, tuple[int, int], tuple[int, int]], list[Any]] = defaultdict(list)
+    annotations = 0
+    for item in items:
+        m = item.mutations[0]
+        start, end = tuple(m.start_pos), tuple(m.end_pos)
+        if _in(start, spans):
+            annotations += 1
+            continue
+        by_site[(_family(m.operator_name), start, end)].append(item)
+
+    def site_key(site: tuple[str, tuple[int, int], tuple[int, int]]) -> str:
+        family, (line, col), _ = site
+        return _hash(module, family, lines[line - 1].strip(), col)
+
+    order = sorted(by_site, key=site_key)
+    if sites is None:
+        chosen = [item for site in order for item in by_site[site]]
+    else:
+        chosen = []
+        for site in order[:sites]:
+            _, (line, col), _ = site
+            text = lines[line - 1].strip()
+            chosen.append(
+                min(
+                    by_site[site],
+                    key=lambda i: _hash(module, i.mutations[0].operator_name, text, col),
+                )
+            )
+    chosen.sort(key=lambda i: tuple(i.mutations[0].start_pos))
+    left = {
+        "annotations": annotations,
+        "sites": len(by_site),
+        "not_sampled": sum(len(v) for v in by_site.values()) - len(chosen),
+    }
+    return chosen, left
+
+
+def _triage() -> list[dict[str, Any]]:
+    return json.loads(TRIAGE.read_text())["mutants"] if TRIAGE.exists() else []
+
+
+def _verdict(
+    module: str, old: str, new: str, triage: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    for entry in triage:
+        if entry["module"] == module and entry["old"] == old and entry["new"] == new:
+            return entry
+    return None
+
+
+def run_module(
+    name: str,
+    copy: Path,
+    sites: int | None,
+    triage: list[dict[str, Any]],
+    env: dict[str, str],
+    revision: str,
+) -> dict[str, Any]:
+    from cosmic_ray.commands.init import init
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    path, tests = MODULES[name]
+    command = " ".join([sys.executable, *PYTEST, *(f"'{t}'" if " " in t else t for t in tests)])
+    started = time.monotonic()
+    base = subprocess.run(
+        [sys.executable, *PYTEST, *tests], cwd=copy, env=env, capture_output=True, text=True
+    )
+    baseline_s = time.monotonic() - started
+    if base.returncode != 0:
+        print(base.stdout[-3000:], base.stderr[-3000:], sep="\n", file=sys.stderr)
+        return {"module": path, "tests": list(tests), "baseline": "failed"}
+    timeout = max(60.0, 3 * baseline_s)
+    results: list[dict[str, Any]] = []
+    os.environ.update(env)  # Cosmic Ray runs the tests with this process's environment
+    cwd = Path.cwd()
+    os.chdir(copy)  # Cosmic Ray reads and mutates the module at its path, from here
+    try:
+        with use_db(str(copy / f".cr-{name}.sqlite"), WorkDB.Mode.create) as db:
+            init([Path(path)], db, {})
+            items = list(db.pending_work_items)
+        total = len(items)
+        chosen, left = _sample(items, copy / path, name, sites)
+        print(
+            f"{name}: {total} mutants, {len(chosen)} to run (baseline {baseline_s:.0f} s)",
+            flush=True,
+        )
+        for n, item in enumerate(chosen, 1):
+            m = item.mutations[0]
+            t0 = time.monotonic()
+            result = mutate_and_test(item.mutations, command, timeout)
+            if result.worker_outcome == WorkerOutcome.NO_TEST:
+                continue
+            old, new = _changed_lines(result.diff or "")
+            if result.worker_outcome != WorkerOutcome.NORMAL:
+                outcome = "invalid"
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                outcome = "survived"
+            elif result.output == "timeout":
+                outcome = "timeout"
+            else:
+                outcome = "killed"
+            entry: dict[str, Any] = {
+                "line": m.start_pos[0],
+                "operator": m.operator_name.removeprefix("core/"),
+                "old": old,
+                "new": new,
+                "outcome": outcome,
+            }
+            verdict = _verdict(name, old, new, triage)
+            if verdict is not None:
+                entry["triage"] = verdict["verdict"]
+                entry["why"] = verdict.get("reason") or verdict.get("test")
+            results.append(entry)
+            print(
+                f"  [{n}/{len(chosen)}] {outcome:8} {time.monotonic() - t0:5.1f}s "
+                f"L{m.start_pos[0]} {old!r} -> {new!r}",
+                flush=True,
+            )
+    finally:
+        os.chdir(cwd)
+    survived = [r for r in results if r["outcome"] == "survived"]
+    return {
+        "module": path,
+        "revision": revision,
+        "sample": "every mutant" if sites is None else f"{sites} sites",
+        "tests": list(tests),
+        "mutants_in_module": total,
+        "left_out_in_annotations": left["annotations"],
+        "sites": left["sites"],
+        "run": len(results),
+        "killed": sum(r["outcome"] in ("killed", "timeout") for r in results),
+        "timeouts": sum(r["outcome"] == "timeout" for r in results),
+        "invalid": sum(r["outcome"] == "invalid" for r in results),
+        "survived": len(survived),
+        "equivalent": sum(r.get("triage") == "equivalent" for r in survived),
+        "open": sum(r.get("triage") != "equivalent" for r in survived),
+        "killed_by_new_tests": sum(
+            r.get("triage") == "killed" and r["outcome"] != "survived" for r in results
+        ),
+        "seconds": round(time.monotonic() - started),
+        "mutants": results,
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = [
+        "| module | mutants (all) | run | killed | survived | equivalent | open "
+        "| killed by new tests |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in summary["modules"].items():
+        if "run" not in r:
+            rows.append(f"| `{name}` | baseline failed | | | | | | |")
+            continue
+        rows.append(
+            f"| `{name}` | {r['mutants_in_module']} | {r['run']} | {r['killed']} | "
+            f"{r['survived']} | {r['equivalent']} | {r['open']} | {r['killed_by_new_tests']} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (all by default)")
+    parser.add_argument("--sites", type=int, default=30, help="sites a module (default 30)")
+    parser.add_argument("--all", action="store_true", help="every mutant, no sample")
+    parser.add_argument("--worktree", action="store_true", help="the working tree, not HEAD")
+    parser.add_argument("--out", type=Path, default=OUT, help="the summary (JSON)")
+    parser.add_argument("--list", action="store_true", help="modules and their tests")
+    args = parser.parse_args()
+    names = args.modules or list(MODULES)
+    unknown = set(names) - set(MODULES)
+    if unknown:
+        parser.error(f"unknown modules: {sorted(unknown)}")
+    if args.list:
+        for name in names:
+            path, tests = MODULES[name]
+            print(f"{name:9} {path:28} {' '.join(tests)}")
+        return 0
+    triage = _triage()
+    summary: dict[str, Any] = {"modules": {}}
+    if args.out.exists():
+        summary = json.loads(args.out.read_text())
+    summary["tool"] = "cosmic-ray " + _version("cosmic-ray")
+    revision = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip() + (" + working tree" if args.worktree else "")
+    with tempfile.TemporaryDirectory(prefix="xarray-gds-cr-") as tmp:
+        copy = Path(tmp)
+        _copy_tree(copy, args.worktree)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(copy) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        failed = False
+        for name in names:
+            sites = None if args.all else args.sites
+            result = run_module(name, copy, sites, triage, env, revision)
+            failed |= "run" not in result
+            summary["modules"][name] = result
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(table(summary))
+    if failed:
+        return 2
+    return 1 if any(r.get("open") for r in summary["modules"].values()) else 0
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
