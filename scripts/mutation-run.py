@@ -242,26 +242,44 @@ def _sample(
         return _hash(module, family, lines[line - 1].strip(), col)
 
     order = sorted(by_site, key=site_key)
-    if sites is None:
-        chosen = [item for site in order for item in by_site[site]]
-    else:
-        chosen = []
-        for site in order[:sites]:
-            _, (line, col), _ = site
-            text = lines[line - 1].strip()
-            chosen.append(
-                min(
-                    by_site[site],
-                    key=lambda i: _hash(module, i.mutations[0].operator_name, text, col),
-                )
-            )
+    chosen = []
+    invalid = 0
+    for site in order:
+        if sites is not None and len(chosen) == sites:
+            break
+        _, (line, col), _ = site
+        text = lines[line - 1].strip()
+        ranked = sorted(
+            by_site[site], key=lambda i: _hash(module, i.mutations[0].operator_name, text, col)
+        )
+        for item in ranked:
+            if not _compiles(source, item):
+                invalid += 1
+                continue
+            chosen.append(item)
+            if sites is not None:
+                break
     chosen.sort(key=lambda i: tuple(i.mutations[0].start_pos))
-    left = {
-        "annotations": annotations,
-        "sites": len(by_site),
-        "not_sampled": sum(len(v) for v in by_site.values()) - len(chosen),
-    }
+    left = {"annotations": annotations, "sites": len(by_site), "invalid": invalid}
     return chosen, left
+
+
+def _compiles(source: str, item: Any) -> bool:
+    """Whether the mutant's source compiles (Cosmic Ray also swaps the ``*`` of
+    keyword-only parameters, for one): those that do not are left out, not run."""
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    m = item.mutations[0]
+    operator = cosmic_ray.plugins.get_operator(m.operator_name)(**(m.operator_args or {}))
+    mutated = mutate_code(source, operator, m.occurrence)
+    if mutated is None:
+        return False
+    try:
+        compile(mutated, "<mutant>", "exec")
+    except SyntaxError:
+        return False
+    return True
 
 
 def _triage() -> list[dict[str, Any]]:
@@ -357,6 +375,7 @@ def run_module(
         "tests": list(tests),
         "mutants_in_module": total,
         "left_out_in_annotations": left["annotations"],
+        "left_out_not_compiling": left["invalid"],
         "sites": left["sites"],
         "run": len(results),
         "killed": sum(r["outcome"] in ("killed", "timeout") for r in results),
