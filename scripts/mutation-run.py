@@ -17,7 +17,7 @@ The full space is about 4,000 mutants for the modules here, days of CPU time on 
   mutant there (``str | None`` -> ``str & None``) is equivalent by construction;
 - the mutants are grouped by *site* (the operator's family and the exact source
   position: the eleven binary-operator replacements of one ``+`` are one site), and
-  ``--sites`` sites a module (30 by default) are taken in the order of a SHA-256 of
+  ``--sites`` sites a module (20 by default) are taken in the order of a SHA-256 of
   (module, family, the site's source line, its column), so the sample depends on the
   source only, and stays put when unrelated lines change;
 - for each site one of its mutants, the one with the smallest hash of the same kind.
@@ -412,7 +412,7 @@ def table(summary: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (all by default)")
-    parser.add_argument("--sites", type=int, default=30, help="sites a module (default 30)")
+    parser.add_argument("--sites", type=int, default=20, help="sites a module (default 20)")
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")
     parser.add_argument("--worktree", action="store_true", help="the working tree, not HEAD")
     parser.add_argument("--out", type=Path, default=OUT, help="the summary (JSON)")
