@@ -73,3 +73,54 @@ def test_failing_first_part_stops_the_part_servers(tmp_path: Path) -> None:
 
     with pytest.raises(ChunkDecodeError, match=r"'v/c/0/0'"):
         _bounded(read)
+
+
+def test_host_route_asks_once_per_chain_with_its_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    """coalesce ``break`` -> ``continue`` (in ``_host_route``): the route is asked once a
+    decode chain, for the chunks of all the group's requests of that chain together,
+    never for one request's share (a cost model need not be monotone in the count)."""
+    from tests.test_host_logic import _chain, _requests
+    from xarray_gds import coalesce, route
+
+    asked: list[tuple[str | None, int]] = []
+
+    def choose(compressor: Any, n: int, nbytes: int) -> str:
+        asked.append((getattr(compressor, "name", compressor), n))
+        return "host"
+
+    monkeypatch.setattr(route, "choose", choose)
+    zstd, gzip = _chain("zstd"), _chain("gzip")
+    assert coalesce._host_route(_requests((zstd, 3), (gzip, 2), (zstd, 5), (zstd, 1)))
+    assert sorted(asked) == [("gzip", 2), ("zstd", 9)]
+
+
+def _mixed_store(path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A v3 store of a sharded variable (its chunks read by byte ranges), an unsharded one
+    (whole chunk files) and a second unsharded one of the same codecs."""
+    import zarr.codecs as zc
+
+    rng = np.random.default_rng(3)
+    values = {n: rng.standard_normal((8, 12)).astype("f4") for n in ("s", "w", "x")}
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    for name, data in values.items():
+        kwargs: dict[str, Any] = {"chunks": (4, 6), "compressors": [zc.ZstdCodec()]}
+        if name == "s":
+            kwargs["shards"] = (8, 12)
+        array = group.create_array(
+            name, shape=data.shape, dtype=data.dtype, dimension_names=["a", "b"], **kwargs
+        )
+        array[:] = data
+    zarr.consolidate_metadata(path)
+    return path, values
+
+
+def test_a_batch_of_whole_chunks_and_byte_ranges(tmp_path: Path) -> None:
+    """coalesce ``for ranged in (False, True)`` -> ``(False, False)``: a dataset loaded in
+    one batch whose variables are read as whole chunk files and as byte ranges of shards
+    at once reads both, as engine="zarr" does."""
+    path, values = _mixed_store(tmp_path / "mixed.zarr")
+    gds, ref = open_both(path, "cpu")
+    got = gds.load()
+    xr.testing.assert_identical(got, ref.load())
+    for name, data in values.items():
+        np.testing.assert_array_equal(got[name].values, data, strict=True)
