@@ -124,3 +124,33 @@ def test_a_batch_of_whole_chunks_and_byte_ranges(tmp_path: Path) -> None:
     xr.testing.assert_identical(got, ref.load())
     for name, data in values.items():
         np.testing.assert_array_equal(got[name].values, data, strict=True)
+
+
+# -- decode.py ------------------------------------------------------------------------------
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("n_chunks", "chunk", "parts", "batch", "want"),
+    [
+        (1000, MIB, 1, None, 1000),  # 1000 MiB: within the host's 1 GiB, one part
+        (2000, MIB, 1, None, 1024),  # the budget: 1 GiB a part
+        (200, MIB, 4, None, 64),  # 50 MiB a part asked: never below 64 MiB
+        (1000, MIB, 4, None, 250),  # 250 MiB a part
+        (1000, MIB, 4, 100 * MIB, 100),  # the configured budget wins
+        (10, 0, 1, None, 64 * MIB),  # empty chunks count as one byte
+    ],
+)
+def test_part_chunks_exact(
+    n_chunks: int, chunk: int, parts: int, batch: int | None, want: int
+) -> None:
+    """decode ``max(1, pipeline_parts)`` -> ``max(2, ...)`` and ``MIN_PART_BYTES = 64 << 20``
+    -> ``64 << 19``: the chunks a part of a host read holds, exactly, for reads below
+    and above the batch budget and the smallest part, split into parts or not."""
+    from xarray_gds import decode
+
+    settings: dict[str, Any] = {"xarray_gds.pipeline_parts": parts}
+    if batch is not None:
+        settings["xarray_gds.batch_bytes"] = batch
+    with zarr.config.set(settings):
+        assert decode.part_chunks(n_chunks, chunk, on_device=False) == want
