@@ -154,3 +154,64 @@ def test_part_chunks_exact(
         settings["xarray_gds.batch_bytes"] = batch
     with zarr.config.set(settings):
         assert decode.part_chunks(n_chunks, chunk, on_device=False) == want
+
+
+def test_joined_keys_of_nothing() -> None:
+    """decode ``... else 0`` -> ``... else -1`` (``Joined.__len__``): no key sequences at
+    all join into an empty sequence."""
+    from xarray_gds import decode
+
+    joined = decode.Joined([])
+    assert len(joined) == 0 and list(joined) == [] and joined[:] == []
+
+
+@pytest.mark.parametrize("host", [0, 1, 3, 100])
+def test_decode_split_matches_the_host_decode(
+    monkeypatch: pytest.MonkeyPatch, store_factory: Any, host: int
+) -> None:
+    """decode_split (the GPU's batch shared with the host pool) with a fake CuPy over numpy
+    and nvCOMP's decode standing in as the host decode: the rows of the nvCOMP share and
+    of the host share (the last present chunks, their stored bytes from the arena) land
+    where ``decode_fetched`` on the host puts them, and the pinned lease is the host
+    share's decoded size. Kills decode ``o + s`` -> ``o // s``, ``host * nbytes`` ->
+    ``host | nbytes``, ``rows[m + i]`` -> ``rows[m ** i]`` and ``if m:`` -> ``if not m:``."""
+    import threading
+
+    from tests.test_host_logic import _all_chunks, _fake_cupy, _Staging
+    from xarray_gds import decode
+    from xarray_gds import device as _device
+    from xarray_gds.batch import DeviceBatch
+    from xarray_gds.codecs import nvcomp
+
+    chain, keys, fetched = _all_chunks(store_factory(3, "zstd"))
+    want_present, want = decode.decode_fetched(chain, fetched, keys, False)
+    # the fetched chunks as one arena at 16-byte boundaries, -1 the size of a missing one
+    offsets, sizes, at = [], [], 0
+    for data in fetched:
+        offsets.append(at)
+        sizes.append(-1 if data is None else len(data))
+        at += 0 if data is None else -(-len(data) // 16) * 16
+    arena = np.zeros(at + 16, dtype=np.uint8)
+    for o, data in zip(offsets, fetched, strict=True):
+        if data is not None:
+            arena[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    batch = DeviceBatch(arena, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
+
+    def gpu_decode(chain: Any, batch: DeviceBatch, idx: list[int], names: Any) -> Any:
+        out = np.empty((len(idx), chain.nbytes), dtype=np.uint8)
+        stored = [batch.arena[batch.offsets[i] : batch.offsets[i] + batch.sizes[i]] for i in idx]
+        decode.decode_host(chain, stored, names, out)
+        return out
+
+    fake = _fake_cupy()
+    fake.asnumpy = np.asarray
+    monkeypatch.setattr(_device, "cupy", lambda: fake)
+    monkeypatch.setattr(decode, "_streams", threading.local())
+    monkeypatch.setattr(nvcomp, "decode", gpu_decode)
+    staging = _Staging()
+    present, got = decode.decode_split(chain, batch, keys, staging, host, 2)
+    assert present == want_present
+    shared = min(host, len(present))
+    assert staging.leased == ([shared * chain.nbytes] if shared else [])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), want)
