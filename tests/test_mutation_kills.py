@@ -215,3 +215,31 @@ def test_decode_split_matches_the_host_decode(
     assert staging.leased == ([shared * chain.nbytes] if shared else [])
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# -- region.py ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("codec", "box_read"), [("zstd", True), ("blosc-blosclz", False)])
+def test_device_box_reads_only_of_chains_the_device_decodes(
+    monkeypatch: pytest.MonkeyPatch, store_factory: Any, codec: str, box_read: bool
+) -> None:
+    """region ``on_device and not chain.device_ready`` -> ``on_device and
+    chain.device_ready``: with a fake CuPy, a device read of a chain nVCOMP decodes
+    (zstd) is a box read, one of a chain it cannot (Blosc's blosclz) is left to zarr's
+    own path; on the host both are box reads."""
+    import types
+
+    from tests.test_host_logic import _fake_cupy
+    from xarray_gds import device as _device
+    from xarray_gds import region
+
+    ds = xr.open_dataset(store_factory(2, codec), engine="gds-zarr", device="cpu")
+    lazy = ds.t2m.variable._data
+    while not hasattr(lazy, "get_array"):  # xarray's wrappers around the engine's array
+        lazy = lazy.array
+    array = lazy.get_array()
+    key = (slice(None),) * 3
+    assert region._plan(array, key, "cpu") is not None
+    fake = _fake_cupy()
+    fake.cuda.runtime = types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 30))
+    monkeypatch.setattr(_device, "cupy", lambda: fake)
+    assert (region._plan(array, key, "cuda") is not None) == box_read
