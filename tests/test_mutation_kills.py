@@ -243,3 +243,84 @@ def test_device_box_reads_only_of_chains_the_device_decodes(
     fake.cuda.runtime = types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 30))
     monkeypatch.setattr(_device, "cupy", lambda: fake)
     assert (region._plan(array, key, "cuda") is not None) == box_read
+
+
+# -- locking.py -----------------------------------------------------------------------------
+def test_lock_timeout_default_is_the_documented_600_s() -> None:
+    """locking ``DEFAULT_TIMEOUT = 600.0`` -> ``601.0``: ``to_zarr``'s docstring says a writer
+    waits 600 s by default; the default it has, and the lock's, are that."""
+    import inspect
+
+    import xarray_gds
+    from xarray_gds import locking
+
+    assert "600 by default" in (xarray_gds.to_zarr.__doc__ or "")
+    default = inspect.signature(xarray_gds.to_zarr).parameters["lock_timeout"].default
+    assert default == 600.0
+    assert inspect.signature(locking.writer_lock).parameters["timeout"].default == 600.0
+
+
+def test_releasing_a_memory_lock_not_held_gives_nothing_back() -> None:
+    """locking ``self._held = False`` -> ``True`` (in ``__init__`` and in ``release``): a
+    memory store's lock that was never taken, or was given back already, gives nothing
+    back when released, so the writer that holds the lock keeps it."""
+    from zarr.storage import MemoryStore
+
+    from xarray_gds.locking import WriterLock, writer_lock
+
+    store = MemoryStore()
+    first = writer_lock(store)
+    first.release()
+    first.release()  # a second release: nothing
+    holder = writer_lock(store, timeout=0)
+    try:
+        WriterLock(store).release()  # never taken: nothing
+        first.release()
+        with pytest.raises(TimeoutError, match="being written by another writer"):
+            writer_lock(store, timeout=0)
+    finally:
+        holder.release()
+    writer_lock(store, timeout=0).release()
+
+
+def test_lock_file_mode_follows_the_umask(tmp_path: Path) -> None:
+    """locking ``0o666`` -> ``437`` (the lock file's mode): the file is made readable and
+    writable by everyone the umask lets, as other files of the store are."""
+    import os
+    import stat
+
+    from zarr.storage import LocalStore
+
+    from xarray_gds.locking import lock_path, writer_lock
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    root = tmp_path / "s.zarr"
+    writer_lock(LocalStore(root)).release()
+    assert stat.S_IMODE(lock_path(root).stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> None:
+    """locking ``except OSError`` -> another exception, and the warning's ``stacklevel``: a
+    lock file that cannot be opened (a directory stands at its path) warns, naming it,
+    at the line that asked for the lock, and the write goes on without the lock, writing
+    what engine="zarr" reads back as the dataset written."""
+    import warnings
+
+    from zarr.storage import LocalStore
+
+    import xarray_gds
+    from xarray_gds.locking import lock_path, writer_lock
+
+    root = tmp_path / "s.zarr"
+    lock_path(root).mkdir(parents=True)
+    with pytest.warns(RuntimeWarning, match="cannot make the writer lock file") as caught:
+        writer_lock(LocalStore(root)).release()
+    (warning,) = caught
+    assert str(lock_path(root)) in str(warning.message)
+    assert warning.filename == __file__, warning.filename
+    ds = xr.Dataset({"v": (("a",), np.arange(6.0))})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "xarray-gds: cannot make the writer lock file")
+        xarray_gds.to_zarr(ds, root, mode="w")
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
