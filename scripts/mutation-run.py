@@ -44,7 +44,8 @@ Usage::
     .venv/bin/python scripts/mutation-run.py place region       # those modules
     .venv/bin/python scripts/mutation-run.py --sites 60         # a larger sample
     .venv/bin/python scripts/mutation-run.py --worktree         # the working tree
-    .venv/bin/python scripts/mutation-run.py --list             # modules, tests, sizes
+    .venv/bin/python scripts/mutation-run.py --list             # modules and their tests
+    .venv/bin/python scripts/mutation-run.py --table            # the last results' table
 
 The summary goes to ``docs/data/mutation.json`` (``--out``; with some modules only,
 their entries are replaced and the others kept) and a table is printed. Exit status:
@@ -417,7 +418,13 @@ def main() -> int:
     parser.add_argument("--worktree", action="store_true", help="the working tree, not HEAD")
     parser.add_argument("--out", type=Path, default=OUT, help="the summary (JSON)")
     parser.add_argument("--list", action="store_true", help="modules and their tests")
+    parser.add_argument(
+        "--table", action="store_true", help="print the table of --out's results, run nothing"
+    )
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return 0
     names = args.modules or list(MODULES)
     unknown = set(names) - set(MODULES)
     if unknown:
