@@ -324,3 +324,67 @@ def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> Non
         warnings.filterwarnings("ignore", "xarray-gds: cannot make the writer lock file")
         xarray_gds.to_zarr(ds, root, mode="w")
     xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
+
+
+def test_a_file_lock_waiter_polls_from_1_ms_doubling_up_to_50_ms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """locking ``delay if left is None else ...`` -> ``delay if not left is None ...`` and
+    the backoff ``min(2 * delay, 0.05)`` (-> ``1 * delay``, -> ``1.05``): a writer that
+    waits for a local store's lock (with no time limit, or with one) polls after 1 ms,
+    then twice as long each time up to 50 ms, and takes the
+    lock once the holder gives it back."""
+    from zarr.storage import LocalStore
+
+    from xarray_gds import locking
+
+    store = LocalStore(tmp_path / "s.zarr")
+    for timeout in (None, 30.0):
+        holder = locking.writer_lock(store)
+        slept: list[float] = []
+
+        def sleep(seconds: float, holder: Any = holder, slept: list[float] = slept) -> None:
+            slept.append(seconds)
+            if len(slept) == 9:
+                holder.release()  # the waiter takes it at its next try
+
+        monkeypatch.setattr(locking.time, "sleep", sleep)
+        waiter = _bounded(lambda timeout=timeout: locking.writer_lock(store, timeout))
+        waiter.release()
+        monkeypatch.undo()
+        assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05], timeout
+
+
+def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """locking ``timeout=-1 if timeout is None`` -> ``- 0``, and ``max(0.0, timeout)`` ->
+    ``max(-1.0, timeout)``: a memory store's lock is waited for without a bound for
+    ``timeout=None``, for ``timeout`` seconds, and not at all for a negative one (which
+    fails at once when the lock is held)."""
+    from zarr.storage import MemoryStore
+
+    from xarray_gds import locking
+
+    store = MemoryStore()
+    key = str(store)
+    locking.writer_lock(store).release()  # the store's lock exists
+    real = locking._memory_locks[key]
+    asked: list[float] = []
+
+    class Spy:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            asked.append(timeout)
+            return real.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            real.release()
+
+    monkeypatch.setitem(locking._memory_locks, key, Spy())
+    for timeout in (None, 2.5, -3.0):
+        locking.writer_lock(store, timeout).release()
+    assert asked == [-1, 2.5, 0.0]
+    holder = locking.writer_lock(store)
+    try:
+        with pytest.raises(TimeoutError, match="being written by another writer"):
+            _bounded(lambda: locking.writer_lock(store, -3.0))
+    finally:
+        holder.release()
