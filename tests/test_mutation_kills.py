@@ -388,3 +388,66 @@ def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -
             _bounded(lambda: locking.writer_lock(store, -3.0))
     finally:
         holder.release()
+
+
+# -- tidy.py --------------------------------------------------------------------------------
+#: layout -> (zarr format, chunk key encoding, consolidated, key of chunk (5, 0), of (0, 0))
+TIDY_LAYOUTS: dict[str, tuple[int, dict[str, str] | None, bool, str, str]] = {
+    "v2-dot": (2, None, True, "5.0", "0.0"),
+    "v2-slash": (2, {"name": "v2", "separator": "/"}, True, "5/0", "0/0"),
+    "v3": (3, None, True, "c/5/0", "c/0/0"),
+    "v3-v2-keys": (3, {"name": "v2", "separator": "."}, True, "5.0", "0.0"),
+    "v3-unconsolidated": (3, None, False, "c/5/0", "c/0/0"),
+}
+
+
+@pytest.mark.parametrize("layout", list(TIDY_LAYOUTS))
+def test_tidy_in_every_key_layout(tmp_path: Path, layout: str) -> None:
+    """tidy ``.zmetadata`` read only when it is a dict (``not isinstance`` / ``or``), the
+    ``chunk_key_encoding`` of v3 arrays (``or`` -> ``and``), v2 groups' ``.zgroup`` as
+    nodes (``_V2[:2]`` -> ``_V2[:1]``), leftovers hashable (``frozen=False``) and
+    ``tidy``'s keyword-only arguments (``*`` -> ``/``): in v2 stores (``.`` and ``/`` keys),
+    v3 stores (default and v2 keys) and a v3 store never consolidated, an orphan chunk, a
+    new array's chunks without metadata and (consolidated) a document ahead of the
+    consolidated metadata are found, exactly, and removed or put back; the store then
+    reads as engine="zarr" read it before."""
+    import dataclasses
+    import json
+
+    from xarray_gds.tidy import find_leftovers, tidy
+
+    zarr_format, keys, consolidated, orphan, first = TIDY_LAYOUTS[layout]
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    for name in ("a", "b"):
+        kwargs: dict[str, Any] = {"chunk_key_encoding": keys} if keys else {}
+        if zarr_format == 2:
+            kwargs["attributes"] = {"_ARRAY_DIMENSIONS": ["y", "x"]}
+        else:
+            kwargs["dimension_names"] = ["y", "x"]
+        array = group.create_array(name, shape=(2, 4), chunks=(1, 4), dtype="f4", **kwargs)
+        array[:] = np.arange(8, dtype="f4").reshape(2, 4)
+    if consolidated:
+        zarr.consolidate_metadata(root)
+    before = xr.open_dataset(root, engine="zarr").load()
+    (root / "a" / orphan).parent.mkdir(parents=True, exist_ok=True)
+    (root / "a" / orphan).write_bytes((root / "a" / first).read_bytes())
+    (root / "new" / first).parent.mkdir(parents=True)
+    (root / "new" / first).write_bytes(b"chunk")
+    want = {(f"a/{orphan}", "orphan-chunk"), ("new", "unpublished-node")}
+    if consolidated:
+        doc_key = "b/zarr.json" if zarr_format == 3 else "b/.zarray"
+        doc = json.loads((root / doc_key).read_text())
+        doc["shape"] = [3, 4]
+        (root / doc_key).write_text(json.dumps(doc))
+        want.add((doc_key, "metadata-ahead"))
+    found = find_leftovers(root, trust_consolidated=True)
+    assert {(f.path, f.kind) for f in found} == want
+    assert len(set(found)) == len(found)  # leftovers are hashable values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found[0].kind = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        tidy(root, True)  # type: ignore[misc]  # dry_run is keyword-only
+    assert {(f.path, f.kind) for f in tidy(store=root, trust_consolidated=True)} == want
+    assert find_leftovers(root, trust_consolidated=True) == []
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), before)
