@@ -33,7 +33,9 @@ time, at least 60 s); a failure there stops that module.
 
 A surviving mutant is looked up in ``docs/data/mutation-triage.json``, by module and
 the exact line before and after: ``"verdict": "equivalent"`` (with ``"reason"``: why
-no test can tell it from the original) counts it as equivalent; any other survivor is
+no test can tell it from the original) counts it as equivalent, ``"verdict":
+"gpu-only"`` (with ``"reason"``) as a mutant of code that runs only with a CUDA device,
+which the CPU tests cannot reach (the GPU suite's to judge); any other survivor is
 *open* and fails the run. ``"verdict": "killed"`` entries name the test written for a
 survivor of an earlier run (``"test"``); the results list which of them the sample
 holds, each killed now.
@@ -384,7 +386,8 @@ def run_module(
         "invalid": sum(r["outcome"] == "invalid" for r in results),
         "survived": len(survived),
         "equivalent": sum(r.get("triage") == "equivalent" for r in survived),
-        "open": sum(r.get("triage") != "equivalent" for r in survived),
+        "gpu_only": sum(r.get("triage") == "gpu-only" for r in survived),
+        "open": sum(r.get("triage") not in ("equivalent", "gpu-only") for r in survived),
         "killed_by_new_tests": sum(
             r.get("triage") == "killed" and r["outcome"] != "survived" for r in results
         ),
@@ -395,17 +398,18 @@ def run_module(
 
 def table(summary: dict[str, Any]) -> str:
     rows = [
-        "| module | mutants (all) | run | killed | survived | equivalent | open "
-        "| killed by new tests |",
-        "|---|---|---|---|---|---|---|---|",
+        "| module | mutants (all) | run | killed | of which by new tests | survived "
+        "| equivalent | GPU only | open |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["modules"].items():
         if "run" not in r:
-            rows.append(f"| `{name}` | baseline failed | | | | | | |")
+            rows.append(f"| `{name}` | baseline failed | | | | | | | |")
             continue
         rows.append(
             f"| `{name}` | {r['mutants_in_module']} | {r['run']} | {r['killed']} | "
-            f"{r['survived']} | {r['equivalent']} | {r['open']} | {r['killed_by_new_tests']} |"
+            f"{r['killed_by_new_tests']} | {r['survived']} | {r['equivalent']} | "
+            f"{r.get('gpu_only', 0)} | {r['open']} |"
         )
     return "\n".join(rows)
 
