@@ -130,6 +130,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "tests/test_write.py",
             "tests/test_host_write.py",
             "tests/test_writers.py",
+            "tests/test_mutation_kills.py",
             "-k",
             "not round_trip",
         ),

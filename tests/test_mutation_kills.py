@@ -451,3 +451,31 @@ def test_tidy_in_every_key_layout(tmp_path: Path, layout: str) -> None:
     assert {(f.path, f.kind) for f in tidy(store=root, trust_consolidated=True)} == want
     assert find_leftovers(root, trust_consolidated=True) == []
     xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), before)
+
+
+# -- write.py -------------------------------------------------------------------------------
+def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
+    tmp_path: Path,
+) -> None:
+    """write ``for name, var in ds.variables.items()`` -> ``in []``, ``if name in ds.indexes
+    or ...`` -> ``if not name in ...`` and ``var.ndim == 0`` -> ``var.ndim >= 0``: the
+    user's own dask variables are seen as such, so xarray's check of dask chunks against
+    zarr chunks stays on (``safe_chunks``): a region write whose dask chunks would share
+    a zarr chunk fails with xarray's error, and the store keeps what engine="zarr" reads
+    there before, as with ``Dataset.to_zarr``."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("a",), np.arange(8.0))})
+    part = ds.isel(a=slice(2, 6)).chunk({"a": 2}) * 10
+    stores = {}
+    for name, write in (("ours", xarray_gds.to_zarr), ("xarray", None)):
+        root = tmp_path / f"{name}.zarr"
+        ds.to_zarr(root, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+        with pytest.raises(ValueError, match="would overlap multiple Dask chunks"):
+            if write is None:
+                part.to_zarr(root, region={"a": slice(2, 6)}, consolidated=False)
+            else:
+                write(part, root, region={"a": slice(2, 6)}, consolidated=False)
+        stores[name] = xr.open_dataset(root, engine="zarr", consolidated=False).load()
+    xr.testing.assert_identical(stores["ours"], stores["xarray"])
+    xr.testing.assert_identical(stores["ours"], ds)
