@@ -479,3 +479,57 @@ def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
         stores[name] = xr.open_dataset(root, engine="zarr", consolidated=False).load()
     xr.testing.assert_identical(stores["ours"], stores["xarray"])
     xr.testing.assert_identical(stores["ours"], ds)
+
+
+# -- store.py -------------------------------------------------------------------------------
+def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
+    """store ``*`` -> ``/`` in ``get_sync`` and ``_open``: the engine's store keeps the kinds
+    of parameters of zarr's ``LocalStore`` (keyword-only where zarr's are), so that every
+    call zarr makes of a local store works on it."""
+    import inspect
+
+    from zarr.storage import LocalStore
+
+    from xarray_gds import GdsStore
+
+    for name in ("get_sync", "_open", "get", "get_partial_values", "set", "delete_dir"):
+        ours = inspect.signature(getattr(GdsStore, name)).parameters
+        theirs = inspect.signature(getattr(LocalStore, name)).parameters
+        assert [(p.name, p.kind) for p in ours.values()] == [
+            (p.name, p.kind) for p in theirs.values()
+        ], name
+
+
+async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_path: Path) -> None:
+    """store ``key.split("/")[:-1]`` -> ``[:-2]`` (``set``), -> ``[:-0]``
+    (``set_if_not_exists``) and prefix ``[:-1]`` -> ``[:not 1]`` (``delete_dir``): a
+    chunk's own directory linked out of the root, or its array's, refuses writes,
+    conditional writes and deletes of a tree through it, and the files outside stay."""
+    import shutil
+
+    from zarr.core.buffer import cpu
+
+    from xarray_gds import GdsStore
+
+    outside = tmp_path / "outside"
+    (outside / "c").mkdir(parents=True)
+    (outside / "c" / "0").write_bytes(b"kept")
+    root = tmp_path / "s.zarr"
+    store = await GdsStore.open(root, read_only=False)
+    await store.set("v/zarr.json", cpu.Buffer.from_bytes(b"{}"))
+    value = cpu.Buffer.from_bytes(b"chunk")
+    for link, target in (("v/c", outside / "c"), ("v", outside)):
+        if (root / "v").is_symlink():
+            (root / "v").unlink()
+        shutil.rmtree(root / "v", ignore_errors=True)
+        (root / link).parent.mkdir(parents=True, exist_ok=True)
+        (root / link).symlink_to(target, target_is_directory=True)
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.set("v/c/1", value)
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.set_if_not_exists("v/c/2", value)
+        if link == "v":
+            with pytest.raises(ValueError, match="is a symbolic link"):
+                await store.delete_dir("v/c")
+        assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
+        assert (outside / "c" / "0").read_bytes() == b"kept"
