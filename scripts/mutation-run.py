@@ -209,6 +209,19 @@ def _copy_tree(dest: Path, worktree: bool) -> None:
     tar.unlink()
 
 
+def _context(diff: str) -> str:
+    """The unchanged line just before the change in a unified diff, stripped: what tells
+    apart two mutants of the same text (two ``return False`` made ``return True``)."""
+    before = ""
+    for ln in diff.splitlines():
+        if ln.startswith(("---", "+++", "@@")):
+            continue
+        if ln.startswith(("-", "+")):
+            return before
+        before = ln[1:].strip()
+    return before
+
+
 def _changed_lines(diff: str) -> tuple[str, str]:
     """The removed and added lines of a one-line diff, stripped."""
     old = [
@@ -291,10 +304,14 @@ def _triage() -> list[dict[str, Any]]:
 
 
 def _verdict(
-    module: str, old: str, new: str, triage: list[dict[str, Any]]
+    module: str, old: str, new: str, context: str, triage: list[dict[str, Any]]
 ) -> dict[str, Any] | None:
+    """The triage entry of a mutant: same module and lines (and, where the entry gives
+    one, the same line before the change)."""
     for entry in triage:
-        if entry["module"] == module and entry["old"] == old and entry["new"] == new:
+        if (entry["module"], entry["old"], entry["new"]) == (module, old, new) and entry.get(
+            "context", context
+        ) == context:
             return entry
     return None
 
@@ -344,6 +361,7 @@ def run_module(
             if result.worker_outcome == WorkerOutcome.NO_TEST:
                 continue
             old, new = _changed_lines(result.diff or "")
+            context = _context(result.diff or "")
             if result.worker_outcome != WorkerOutcome.NORMAL:
                 outcome = "invalid"
             elif result.test_outcome == TestOutcome.SURVIVED:
@@ -357,9 +375,10 @@ def run_module(
                 "operator": m.operator_name.removeprefix("core/"),
                 "old": old,
                 "new": new,
+                "context": context,
                 "outcome": outcome,
             }
-            verdict = _verdict(name, old, new, triage)
+            verdict = _verdict(name, old, new, context, triage)
             if verdict is not None:
                 entry["triage"] = verdict["verdict"]
                 entry["why"] = verdict.get("reason") or verdict.get("test")

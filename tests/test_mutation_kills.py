@@ -533,3 +533,53 @@ async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_pa
                 await store.delete_dir("v/c")
         assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
         assert (outside / "c" / "0").read_bytes() == b"kept"
+
+
+# -- deferred.py ----------------------------------------------------------------------------
+def test_a_failed_write_keeps_chunks_of_existing_arrays_below_new_group_documents() -> None:
+    """deferred ``return False`` -> ``return True`` (``.zattrs``/``.zgroup`` taken for an
+    array's metadata): a failed write that made a new group document (the root's
+    ``.zattrs``, missing from a store zarr-python made) and added a chunk to an existing
+    v2 array keeps that chunk, as it keeps every chunk of arrays that existed before; it
+    removes only the new documents' held state and the new arrays' chunks."""
+    from zarr.storage import FsspecStore
+
+    from tests.test_deferred import _buffer, _keys
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    inner = FsspecStore.from_url(f"memory://held-groups-{id(object())}", read_only=False)
+    sync(inner.set(".zgroup", _buffer(b'{"zarr_format": 2}')))
+    sync(inner.set("q/.zarray", _buffer(b'{"zarr_format": 2, "shape": [8]}')))
+    sync(inner.set("q/0", _buffer(b"old")))
+    store = HeldMetadataStore(inner)
+    sync(store.set(".zattrs", _buffer(b'{"title": "new"}')))
+    sync(store.set("g/.zgroup", _buffer(b'{"zarr_format": 2}')))
+    sync(store.set("q/1", _buffer(b"more")))
+    store.discard()
+    assert _keys(inner) == [".zgroup", "q/.zarray", "q/0", "q/1"]
+
+
+def test_after_a_failed_metadata_flush_later_chunk_writes_are_refused() -> None:
+    """deferred ``write.failed = True`` -> ``False`` (when writing the held metadata fails):
+    the write has failed, so a chunk write of it that comes later is refused, naming
+    the key, and writes nothing, as after a discard."""
+    from zarr.storage import MemoryStore
+
+    from tests.test_deferred import ARRAY_META, _buffer, _keys
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    class Failing(MemoryStore):
+        async def set(self, key: str, value: Any) -> None:
+            if key.endswith("zarr.json"):
+                raise OSError("metadata write failed")
+            await super().set(key, value)
+
+    inner = Failing()
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    sync(store.set("p/c/0", _buffer(b"early")))
+    with pytest.raises(OSError, match="metadata write failed"):
+        store.flush()
+    with pytest.raises(RuntimeError, match=r"not writing 'p/c/1' .* failed"):
+        sync(store.set("p/c/1", _buffer(b"later")))
+    assert _keys(inner) == []
