@@ -583,3 +583,34 @@ def test_after_a_failed_metadata_flush_later_chunk_writes_are_refused() -> None:
     with pytest.raises(RuntimeError, match=r"not writing 'p/c/1' .* failed"):
         sync(store.set("p/c/1", _buffer(b"later")))
     assert _keys(inner) == []
+
+
+def test_partial_reads_of_held_metadata_only_are_served_from_what_is_held() -> None:
+    """deferred ``self._held(k) is not None`` -> ``is None`` (``get_partial_values``): byte
+    ranges of held documents alone are served from what is held (not from the store
+    below, where they are older or missing), as are those of held and stored keys
+    mixed."""
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    from tests.test_deferred import ARRAY_META, _buffer
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    inner = MemoryStore()
+    sync(inner.set("q/zarr.json", _buffer(b'{"old": 1}')))
+    sync(inner.set("q/c/0", _buffer(b"chunk")))
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    sync(store.set("q/zarr.json", _buffer(ARRAY_META)))
+    proto = default_buffer_prototype()
+    for asked, want in (
+        (
+            [("p/zarr.json", None), ("q/zarr.json", RangeByteRequest(2, 13))],
+            [ARRAY_META, ARRAY_META[2:13]],
+        ),
+        ([("q/zarr.json", None), ("q/c/0", RangeByteRequest(1, 3))], [ARRAY_META, b"hu"]),
+    ):
+        got = sync(store.get_partial_values(proto, asked))
+        assert [g.to_bytes() for g in got] == want
+    store.discard()
