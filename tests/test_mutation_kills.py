@@ -614,3 +614,37 @@ def test_partial_reads_of_held_metadata_only_are_served_from_what_is_held() -> N
         got = sync(store.get_partial_values(proto, asked))
         assert [g.to_bytes() for g in got] == want
     store.discard()
+
+
+def test_a_dict_target_is_written_as_xarray_writes_it_and_others_are_refused() -> None:
+    """write ``isinstance(store, dict)`` -> ``not isinstance(...)``: a dict is a memory
+    store of its own keys, written with the keys and bytes ``Dataset.to_zarr`` writes
+    into a dict; a target of no kind the function takes is refused, naming the kinds."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("a",), np.arange(6.0))})
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    xarray_gds.to_zarr(ds, ours, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+    ds.to_zarr(theirs, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+    assert sorted(ours) == sorted(theirs) and ours
+    got = {k: v.to_bytes() for k, v in ours.items() if not k.endswith("zarr.json")}
+    assert got == {k: v.to_bytes() for k, v in theirs.items() if not k.endswith("zarr.json")}
+    with pytest.raises(TypeError, match="must be a path, a URL, a zarr Store"):
+        xarray_gds.to_zarr(ds, 42)
+
+
+def test_chunk_paths_refuse_keys_that_leave_the_root(tmp_path: Path) -> None:
+    """store ``for key in keys`` -> ``for key in []`` (``chunk_paths``): the files of the
+    engine's batched chunk reads are checked as ``resolve`` checks keys: one that would
+    leave the store's root is refused, whichever of the keys it is."""
+    from xarray_gds import GdsStore
+
+    store = GdsStore(tmp_path / "s.zarr", read_only=True)
+    assert store.chunk_paths(["v/c/0", "v/c/1"]) == [
+        f"{tmp_path / 's.zarr'}/v/c/0",
+        f"{tmp_path / 's.zarr'}/v/c/1",
+    ]
+    for bad in ("../other/c/0", "v/../../x", "/etc/passwd"):
+        with pytest.raises(ValueError, match="invalid key"):
+            store.chunk_paths(["v/c/0", bad])
