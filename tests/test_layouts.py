@@ -8,8 +8,8 @@
   source): a shard's index is read through each store's own byte-range reads there,
   not only by ``pread`` of a local file;
 - big-endian and little-endian arrays, Zarr v2 and v3: every route (box, points,
-  vectorized points, dask, ``load_async``, the loader) gives the dtype box reads, the
-  declared dtype and engine="zarr" give.
+  vectorized points, dask (``.chunk()`` and ``chunks={}``), ``load_async``, the
+  loader) gives the dtype box reads, the declared dtype and engine="zarr" give.
 
 - the layout space as a whole (``test_layout_space_on_every_route_and_store``, drawn by
   hypothesis with a fixed seed): Zarr v2 and v3; both byte orders; fill values 0, NaN,
@@ -84,11 +84,12 @@ def opener(
     ``ref_store`` (the same store unless given) with engine="zarr" (``ref_kwargs``), anew
     each call."""
 
-    def both() -> tuple[xr.Dataset, xr.Dataset]:
-        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu", **(gds_kwargs or {}))
-        ref = xr.open_dataset(
-            store if ref_store is None else ref_store, engine="zarr", **ref_kwargs
-        )
+    def both(**kwargs: Any) -> tuple[xr.Dataset, xr.Dataset]:
+        """``kwargs``: more arguments of both opens (``chunks={}``)."""
+        gds_kw = {**(gds_kwargs or {}), **kwargs}
+        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu", **gds_kw)
+        target = store if ref_store is None else ref_store
+        ref = xr.open_dataset(target, engine="zarr", **ref_kwargs, **kwargs)
         return gds, ref
 
     return both
@@ -98,6 +99,11 @@ def assert_route(both: Both, name: str, declared: dict[str, np.dtype[Any]] | Non
     """Route ``name`` (of ``ROUTES``, or ``"loader"``) of engine="gds-zarr" as engine="zarr"
     on the same store, and, given ``declared`` (variable -> the dtype the metadata
     declares), that dtype in native byte order for every variable read."""
+    if name == "chunks={}":  # dask arrays of the stored chunks, from the open
+        gds, ref = both(chunks={})
+        assert all(v.chunks is not None for v in gds.data_vars.values()), name
+        assert_same(gds.compute(), ref.compute(), name)
+        return
     gds, ref = both()
     if name == "loader":
         loader = BatchLoader(gds, "t", batch_size=4, shuffle=False, prefetch=0, drop_last=True)
@@ -124,7 +130,7 @@ def assert_every_route(
     ``declared`` (variable -> the dtype the metadata declares), that dtype in native
     byte order for every variable read."""
     both = both or opener(store)
-    for name in (*ROUTES, "loader"):
+    for name in (*ROUTES, "chunks={}", "loader"):
         assert_route(both, name, declared)
 
 
@@ -608,7 +614,7 @@ def _layouts(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(KINDS[zarr_format]))
     if zarr_format == 3:
         layout["shards"] = draw(st.sampled_from([None, "start", "end"]))
-    route = draw(st.sampled_from([*ROUTES, "loader"]))
+    route = draw(st.sampled_from([*ROUTES, "chunks={}", "loader"]))
     return {"layout": layout, "kind": kind, "route": route}
 
 
