@@ -20,7 +20,8 @@ The full space is about 4,000 mutants for the modules here, days of CPU time on 
   ``--sites`` sites a module (20 by default) are taken in the order of a SHA-256 of
   (module, family, the site's source line, its column), so the sample depends on the
   source only, and stays put when unrelated lines change;
-- for each site one of its mutants, the one with the smallest hash of the same kind.
+- for each site one of its mutants, the one with the smallest hash of the same kind
+  (module, operator, line, column, and its rank among that operator's mutants there).
 
 ``--all`` runs every mutant instead (hours a module).
 
@@ -258,7 +259,8 @@ def _sample(
         family, (line, col), _ = site
         return _hash(module, family, lines[line - 1].strip(), col)
 
-    order = sorted(by_site, key=site_key)
+    # sites of the same text and column (two ``if m:`` lines) in their order in the file
+    order = sorted(by_site, key=lambda site: (site_key(site), site[1], site[2]))
     chosen = []
     invalid = 0
     for site in order:
@@ -266,9 +268,18 @@ def _sample(
             break
         _, (line, col), _ = site
         text = lines[line - 1].strip()
-        ranked = sorted(
-            by_site[site], key=lambda i: _hash(module, i.mutations[0].operator_name, text, col)
+        # an operator may make several mutants at one site (NumberReplacer: +1 and -1):
+        # told apart by their order there, not by the session's (random) job ids
+        members = sorted(
+            by_site[site], key=lambda i: (i.mutations[0].operator_name, i.mutations[0].occurrence)
         )
+        nth: dict[str, int] = defaultdict(int)
+        keyed = []
+        for item in members:
+            op = item.mutations[0].operator_name
+            keyed.append((_hash(module, op, text, col, nth[op]), item))
+            nth[op] += 1
+        ranked = [item for _, item in sorted(keyed, key=lambda pair: pair[0])]
         for item in ranked:
             if not _compiles(source, item):
                 invalid += 1
@@ -276,7 +287,7 @@ def _sample(
             chosen.append(item)
             if sites is not None:
                 break
-    chosen.sort(key=lambda i: tuple(i.mutations[0].start_pos))
+    chosen.sort(key=lambda i: (tuple(i.mutations[0].start_pos), i.mutations[0].occurrence))
     left = {"annotations": annotations, "sites": len(by_site), "invalid": invalid}
     return chosen, left
 
