@@ -648,3 +648,22 @@ def test_chunk_paths_refuse_keys_that_leave_the_root(tmp_path: Path) -> None:
     for bad in ("../other/c/0", "v/../../x", "/etc/passwd"):
         with pytest.raises(ValueError, match="invalid key"):
             store.chunk_paths(["v/c/0", bad])
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "rows"),
+    [((24, 6), (3, 6), slice(None)), ((30, 8), (4, 3), slice(5, 29)), ((26, 5, 4), (5, 2, 4), 7)],
+)
+def test_box_reads_of_many_rows_of_tall_chunks(
+    tmp_path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], rows: Any
+) -> None:
+    """region ``origin[0] + grid[0] * cs[0]`` -> ``origin[0] + grid[0] + cs[0]``: a host box
+    read of four rows of chunks or more (placed as one tiling of the block), chunks
+    several rows tall, reads every row as engine="zarr" does."""
+    values = np.arange(np.prod(shape), dtype="f4").reshape(shape)
+    dims = [f"d{i}" for i in range(len(shape))]
+    path = tmp_path / "tall.zarr"
+    xr.Dataset({"v": (dims, values)}).to_zarr(path, encoding={"v": {"chunks": chunks}})
+    gds, ref = open_both(path, "cpu")
+    sel = {"d0": rows} if not isinstance(rows, int) else {"d1": slice(1, None)}
+    xr.testing.assert_identical(gds.v.isel(sel).load(), ref.v.isel(sel).load())
