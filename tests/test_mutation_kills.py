@@ -667,3 +667,19 @@ def test_box_reads_of_many_rows_of_tall_chunks(
     gds, ref = open_both(path, "cpu")
     sel = {"d0": rows} if not isinstance(rows, int) else {"d1": slice(1, None)}
     xr.testing.assert_identical(gds.v.isel(sel).load(), ref.v.isel(sel).load())
+
+
+# -- sources.py -----------------------------------------------------------------------------
+def test_whole_chunk_objects_over_http_on_the_host(tmp_path: Path, v3_store: Path) -> None:
+    """sources ``if not on_device`` -> ``if not not on_device`` (``RemoteSource.read_all``):
+    unsharded chunks of a store served over HTTP, each a whole object, read on the host
+    as engine="zarr" reads them."""
+    import shutil
+
+    from tests._http import serve
+
+    root = tmp_path / "served"
+    shutil.copytree(v3_store, root / "s.zarr")
+    with serve(root) as url:
+        gds, ref = open_both(f"{url}/s.zarr", "cpu")
+        xr.testing.assert_identical(gds.load(), ref.load())
