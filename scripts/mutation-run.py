@@ -401,46 +401,86 @@ def run_module(
             )
     finally:
         os.chdir(cwd)
+    return _counted(
+        {
+            "module": path,
+            "revision": revision,
+            "sample": "every mutant" if sites is None else f"{sites} sites",
+            "tests": list(tests),
+            "mutants_in_module": total,
+            "left_out_in_annotations": left["annotations"],
+            "left_out_not_compiling": left["invalid"],
+            "sites": left["sites"],
+            "seconds": round(time.monotonic() - started),
+            "mutants": results,
+        }
+    )
+
+
+def _counted(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with its counts, from its mutants' outcomes and triage. A survivor whose
+    triage says ``killed`` (a test written after the run) counts with the killed by new
+    tests, not as open."""
+    results = entry["mutants"]
     survived = [r for r in results if r["outcome"] == "survived"]
-    return {
-        "module": path,
-        "revision": revision,
-        "sample": "every mutant" if sites is None else f"{sites} sites",
-        "tests": list(tests),
-        "mutants_in_module": total,
-        "left_out_in_annotations": left["annotations"],
-        "left_out_not_compiling": left["invalid"],
-        "sites": left["sites"],
-        "run": len(results),
-        "killed": sum(r["outcome"] in ("killed", "timeout") for r in results),
-        "timeouts": sum(r["outcome"] == "timeout" for r in results),
-        "invalid": sum(r["outcome"] == "invalid" for r in results),
-        "survived": len(survived),
-        "equivalent": sum(r.get("triage") == "equivalent" for r in survived),
-        "gpu_only": sum(r.get("triage") == "gpu-only" for r in survived),
-        "open": sum(r.get("triage") not in ("equivalent", "gpu-only") for r in survived),
-        "killed_by_new_tests": sum(
-            r.get("triage") == "killed" and r["outcome"] != "survived" for r in results
-        ),
-        "seconds": round(time.monotonic() - started),
-        "mutants": results,
-    }
+    triage = [r.get("triage") for r in survived]
+    entry.update(
+        {
+            "run": len(results),
+            "killed": sum(r["outcome"] in ("killed", "timeout") for r in results),
+            "timeouts": sum(r["outcome"] == "timeout" for r in results),
+            "invalid": sum(r["outcome"] == "invalid" for r in results),
+            "survived": len(survived),
+            "equivalent": triage.count("equivalent"),
+            "gpu_only": triage.count("gpu-only"),
+            "open": sum(t not in ("equivalent", "gpu-only", "killed") for t in triage),
+            "killed_by_new_tests": sum(
+                r.get("triage") == "killed" and r["outcome"] != "survived" for r in results
+            ),
+            "survivors_killed_since": triage.count("killed"),
+        }
+    )
+    return entry
+
+
+def _retriage(summary: dict[str, Any], triage: list[dict[str, Any]]) -> None:
+    """The triage file applied again to the mutants of ``summary`` (no test runs)."""
+    for name, entry in summary["modules"].items():
+        if "mutants" not in entry:
+            continue
+        for r in entry["mutants"]:
+            r.pop("triage", None)
+            r.pop("why", None)
+            verdict = _verdict(name, r["old"], r["new"], r.get("context", ""), triage)
+            if verdict is not None:
+                r["triage"] = verdict["verdict"]
+                r["why"] = verdict.get("reason") or verdict.get("test")
+        _counted(entry)
 
 
 def table(summary: dict[str, Any]) -> str:
     rows = [
-        "| module | mutants (all) | run | killed | of which by new tests | survived "
-        "| equivalent | GPU only | open |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| module | mutants (all) | run | killed | of them by tests written for survivors "
+        "| survived | of them killed by tests written since | equivalent | GPU only | open |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["modules"].items():
         if "run" not in r:
-            rows.append(f"| `{name}` | baseline failed | | | | | | | |")
+            rows.append(f"| `{name}` | baseline failed | | | | | | | | |")
             continue
         rows.append(
             f"| `{name}` | {r['mutants_in_module']} | {r['run']} | {r['killed']} | "
-            f"{r['killed_by_new_tests']} | {r['survived']} | {r['equivalent']} | "
+            f"{r['killed_by_new_tests']} | {r['survived']} | "
+            f"{r.get('survivors_killed_since', 0)} | {r['equivalent']} | "
             f"{r.get('gpu_only', 0)} | {r['open']} |"
+        )
+    total = [r for r in summary["modules"].values() if "run" in r]
+    if total:
+        keys = ("run", "killed", "killed_by_new_tests", "survived")
+        keys2 = ("survivors_killed_since", "equivalent", "gpu_only", "open")
+        sums = [str(sum(r.get(k, 0) for r in total)) for k in (*keys, *keys2)]
+        rows.append(
+            f"| all | {sum(r['mutants_in_module'] for r in total)} | " + " | ".join(sums) + " |"
         )
     return "\n".join(rows)
 
@@ -456,8 +496,17 @@ def main() -> int:
     parser.add_argument(
         "--table", action="store_true", help="print the table of --out's results, run nothing"
     )
+    parser.add_argument(
+        "--retriage",
+        action="store_true",
+        help="apply the triage file again to --out's results (after new tests or verdicts)",
+    )
     args = parser.parse_args()
-    if args.table:
+    if args.retriage:
+        done = json.loads(args.out.read_text())
+        _retriage(done, _triage())
+        args.out.write_text(json.dumps(done, indent=1) + "\n")
+    if args.table or args.retriage:
         print(table(json.loads(args.out.read_text())))
         return 0
     names = args.modules or list(MODULES)
