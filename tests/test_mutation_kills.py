@@ -683,3 +683,16 @@ def test_whole_chunk_objects_over_http_on_the_host(tmp_path: Path, v3_store: Pat
     with serve(root) as url:
         gds, ref = open_both(f"{url}/s.zarr", "cpu")
         xr.testing.assert_identical(gds.load(), ref.load())
+
+
+@pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning")
+def test_references_to_a_sharded_v3_store(tmp_path: Path) -> None:
+    """sources ``None if ref is None else narrow(...)`` -> ``None if not ref is None ...``
+    (``ReferenceSource.read_ranges_all``): references to the shard files of a v3 store
+    read each inner chunk by its byte range of the referenced file, missing ones as the
+    fill value, as engine="zarr" reads the store itself."""
+    from tests.test_layouts import _references, _sharded
+
+    root = _sharded(tmp_path / "s.zarr", "end", True)
+    got = xr.open_dataset(_references(root), engine="gds-zarr", device="cpu").load()
+    xr.testing.assert_identical(got, xr.open_dataset(root, engine="zarr").load())
