@@ -8,8 +8,15 @@
   source): a shard's index is read through each store's own byte-range reads there,
   not only by ``pread`` of a local file;
 - big-endian and little-endian arrays, Zarr v2 and v3: every route (box, points,
-  vectorized points, dask, ``load_async``, the loader) gives the dtype box reads, the
-  declared dtype and engine="zarr" give.
+  vectorized points, dask (``.chunk()`` and ``chunks={}``), ``load_async``, the
+  loader) gives the dtype box reads, the declared dtype and engine="zarr" give.
+
+- the layout space as a whole (``test_layout_space_on_every_route_and_store``, drawn by
+  hypothesis with a fixed seed): Zarr v2 and v3; both byte orders; fill values 0, NaN,
+  a nonzero value and none, written with ``write_empty_chunks`` true and false; shards
+  with the index at either end; chunks below and above the size from which local host
+  reads are streamed chunk by chunk; from a local path, a ``MemoryStore``, an HTTP
+  server, kerchunk references (v2) and an Icechunk repository (v3); on every route.
 
 Every route opens the store anew: a variable loaded once is kept in memory by
 xarray, and later selections of it would never reach the engine.
@@ -18,6 +25,7 @@ xarray, and later selections of it would never reach the engine.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +37,8 @@ import pytest
 import xarray as xr
 import zarr
 import zarr.codecs as zc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests._http import serve
 from xarray_gds.loader import BatchLoader
@@ -64,32 +74,64 @@ def assert_same(gds: xr.Dataset, ref: xr.Dataset, what: Any) -> None:
         assert got.dtype.str == var.dtype.str, (what, name, got.dtype.str, var.dtype.str)
 
 
-def assert_every_route(store: Any, declared: dict[str, np.dtype[Any]] | None = None) -> None:
-    """Every route of engine="gds-zarr" (``device="cpu"``) on ``store`` as engine="zarr"
-    on it, and, given ``declared`` (variable -> the dtype the metadata declares), that
-    dtype in native byte order for every variable read."""
+Both = Callable[[], tuple[xr.Dataset, xr.Dataset]]
 
-    def both() -> tuple[xr.Dataset, xr.Dataset]:
-        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu")
-        ref = xr.open_dataset(store, engine="zarr")
+
+def opener(
+    store: Any, ref_store: Any = None, gds_kwargs: dict[str, Any] | None = None, **ref_kwargs: Any
+) -> Both:
+    """Opens ``store`` with engine="gds-zarr" (``device="cpu"``, ``gds_kwargs``) and
+    ``ref_store`` (the same store unless given) with engine="zarr" (``ref_kwargs``), anew
+    each call."""
+
+    def both(**kwargs: Any) -> tuple[xr.Dataset, xr.Dataset]:
+        """``kwargs``: more arguments of both opens (``chunks={}``)."""
+        gds_kw = {**(gds_kwargs or {}), **kwargs}
+        gds = xr.open_dataset(store, engine="gds-zarr", device="cpu", **gds_kw)
+        target = store if ref_store is None else ref_store
+        ref = xr.open_dataset(target, engine="zarr", **ref_kwargs, **kwargs)
         return gds, ref
 
-    for name, route in ROUTES.items():
-        gds, ref = both()
-        # engine="zarr" loads synchronously: its fsspec HTTP session belongs to zarr's
-        # event loop, not to the one asyncio.run makes
-        got, want = route(gds), ROUTES["load" if name == "async" else name](ref)
-        assert_same(got, want, name)
-        for var, dtype in (declared or {}).items():
-            assert got[var].dtype.str == dtype.newbyteorder("=").str, (name, var, got[var].dtype)
+    return both
+
+
+def assert_route(both: Both, name: str, declared: dict[str, np.dtype[Any]] | None = None) -> None:
+    """Route ``name`` (of ``ROUTES``, or ``"loader"``) of engine="gds-zarr" as engine="zarr"
+    on the same store, and, given ``declared`` (variable -> the dtype the metadata
+    declares), that dtype in native byte order for every variable read."""
+    if name == "chunks={}":  # dask arrays of the stored chunks, from the open
+        gds, ref = both(chunks={})
+        assert all(v.chunks is not None for v in gds.data_vars.values()), name
+        assert_same(gds.compute(), ref.compute(), name)
+        return
     gds, ref = both()
-    loader = BatchLoader(gds, "t", batch_size=4, shuffle=False, prefetch=0, drop_last=True)
-    batch = next(iter(loader))
-    want = ref.isel(t=slice(0, 4)).load()
-    for name, values in batch.items():
-        assert isinstance(values, np.ndarray), ("loader", name, type(values))
-        np.testing.assert_array_equal(values, want[name].values, strict=True)
-        assert values.dtype.str == want[name].dtype.str, ("loader", name, values.dtype.str)
+    if name == "loader":
+        loader = BatchLoader(gds, "t", batch_size=4, shuffle=False, prefetch=0, drop_last=True)
+        batch = next(iter(loader))
+        want = ref.isel(t=slice(0, 4)).load()
+        for var, values in batch.items():
+            assert isinstance(values, np.ndarray), ("loader", var, type(values))
+            np.testing.assert_array_equal(values, want[var].values, strict=True)
+            assert values.dtype.str == want[var].dtype.str, ("loader", var, values.dtype.str)
+        return
+    # engine="zarr" loads synchronously: its fsspec HTTP session belongs to zarr's
+    # event loop, not to the one asyncio.run makes
+    got, want = ROUTES[name](gds), ROUTES["load" if name == "async" else name](ref)
+    assert_same(got, want, name)
+    for var, dtype in (declared or {}).items():
+        assert got[var].dtype.str == dtype.newbyteorder("=").str, (name, var, got[var].dtype)
+
+
+def assert_every_route(
+    store: Any, declared: dict[str, np.dtype[Any]] | None = None, both: Both | None = None
+) -> None:
+    """Every route of engine="gds-zarr" (``device="cpu"``) on ``store`` as engine="zarr"
+    on it (``both`` opens the two, when they take different arguments), and, given
+    ``declared`` (variable -> the dtype the metadata declares), that dtype in native
+    byte order for every variable read."""
+    both = both or opener(store)
+    for name in (*ROUTES, "chunks={}", "loader"):
+        assert_route(both, name, declared)
 
 
 # -- store kinds ------------------------------------------------------------------------------
@@ -265,7 +307,19 @@ def _empty_chunks_dataset() -> xr.Dataset:
     f4[4:, 16:, 8:] = np.nan  # one whole edge chunk of it
     i2 = rng.integers(1, 300, SHAPE).astype("i2")
     i2[:2, 8:16, :8] = 0  # one whole chunk of the fill value (0)
-    return xr.Dataset({"f": (DIMS, f4), "i": (DIMS, i2)})
+    n4 = rng.standard_normal(SHAPE).astype("f4")
+    n4[2:4, 8:16, 8:] = 7  # one whole chunk of a nonzero fill value (FILL_ENCODING)
+    u2 = rng.integers(1, 300, SHAPE).astype("u2")
+    u2[4:, :8, :8] = 0  # one whole chunk of zeros, in an array with no fill value (v2)
+    return xr.Dataset({"f": (DIMS, f4), "i": (DIMS, i2), "n": (DIMS, n4), "u": (DIMS, u2)})
+
+
+def _fill_encoding(zarr_format: int) -> dict[str, dict[str, Any]]:
+    """The zarr fill values of ``_empty_chunks_dataset``'s "n" (7) and "u" (none in v2, where
+    ``_FillValue`` sets it; zarr's default in v3, which always has one)."""
+    if zarr_format == 2:
+        return {"n": {"_FillValue": 7.0}, "u": {"_FillValue": None}}
+    return {"n": {"fill_value": 7.0}, "u": {}}
 
 
 @pytest.mark.parametrize(
@@ -301,13 +355,15 @@ def test_write_empty_chunks_files_as_zarr(
     monkeypatch.setattr(pipeline, "_write_batched", spy)
     ds = _empty_chunks_dataset()
     encoding: dict[str, dict[str, Any]] = {k: {"chunks": (2, 8, 8)} for k in ds}
+    for name, fill in _fill_encoding(zarr_format).items():
+        encoding[name].update(fill)
     if sharded:
         for enc in encoding.values():
             enc["shards"], enc["chunks"] = (2, 16, 16), (2, 8, 8)
     ours, ref = tmp_path / "ours.zarr", tmp_path / "ref.zarr"
     region = {"t": slice(0, 2), "y": slice(0, 16), "x": slice(0, 16)}  # a whole shard
     blank = ds.isel(region)
-    blank = blank.assign(f=blank.f * np.nan, i=blank.i * 0)
+    blank = blank.assign(f=blank.f * np.nan, i=blank.i * 0, n=blank.n * 0 + 7, u=blank.u * 0)
     for root, write in ((ours, xarray_gds.to_zarr), (ref, None)):
         kwargs: dict[str, Any] = {"zarr_format": zarr_format, "write_empty_chunks": write_empty}
         if write is None:
@@ -322,5 +378,331 @@ def test_write_empty_chunks_files_as_zarr(
     # the layout under test: empty chunks (shards) written only with write_empty_chunks
     first = "f/c/0/0/0" if zarr_format == 3 else "f/0.0.0"
     assert (first in files) == write_empty
+    if not sharded:  # and of the nonzero fill value
+        assert (("n/c/1/1/1" if zarr_format == 3 else "n/1.1.1") in files) == write_empty
     gds = xr.open_dataset(ours, engine="gds-zarr", device="cpu").load()
     assert_same(gds, xr.open_dataset(ref, engine="zarr").load(), "written")
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_backend_array_declares_the_native_order_it_returns(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    """An engine array over a big-endian zarr array with no CF plan (how a caller wraps
+    one zarr array itself) declares the dtype its reads return, in native byte order,
+    on every indexer kind; a variable over it is the same lazily and loaded, as
+    engine="zarr"'s. (The engine's own variables always carry a CF plan, whose dtype
+    xarray decodes to the native order, so only this construction shows the array's
+    own dtype.)"""
+    from xarray.core import indexing
+
+    from xarray_gds.array import GdsBackendArray
+
+    root, declared = _endian_store(tmp_path / "e.zarr", zarr_format, "big")
+    ref = xr.open_dataset(root, engine="zarr").load()
+    group = zarr.open_group(root, mode="r")
+    for name in declared:
+        za = group[name]
+        assert isinstance(za, zarr.Array)
+        native = declared[name].newbyteorder("=")
+        array = GdsBackendArray(za, name, "cpu")
+        assert array.dtype.str == native.str, (name, array.dtype.str)
+        keys = (
+            indexing.BasicIndexer((slice(1, 5), 3, slice(None, None, 3))),
+            indexing.OuterIndexer((np.array([0, 5, 2]), slice(None), np.array([1, 15]))),
+            indexing.VectorizedIndexer(
+                (np.array([0, 3, 5]), np.array([2, 19, 7]), np.array([0, 1, 15]))
+            ),
+        )
+        for key in keys:
+            got = array[key]
+            assert isinstance(got, np.ndarray), (name, key)
+            assert got.dtype.str == array.dtype.str, (name, key, got.dtype.str)
+        var = xr.Variable(DIMS, indexing.LazilyIndexedArray(array))
+        assert var.dtype.str == ref[name].dtype.str == native.str, (name, var.dtype.str)
+        loaded = var.load()
+        assert loaded.dtype.str == native.str, (name, loaded.dtype.str)
+        np.testing.assert_array_equal(loaded.values, ref[name].values, strict=True)
+
+
+# -- the layout space: formats, byte orders, fill values, empty chunks, shards, chunk sizes,
+# -- store kinds and routes together ------------------------------------------------------
+BIG_SHAPE = (6, 256, 256)  # float32 chunks of one time step: 256 KiB
+META = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+FILLS: dict[str, float | None] = {"zero": 0.0, "nan": np.nan, "nonzero": 7.0, "none": None}
+#: the declared dtype of "f", whatever the layout (that of "i" turns float32 where xarray
+#: masks a v2 array's fill value, as engine="zarr" does)
+F4 = {"f": np.dtype("f4")}
+
+
+def _layout(
+    path: Path,
+    *,
+    zarr_format: int,
+    endian: str,
+    fill: str,
+    write_empty: bool,
+    big: bool,
+    shards: str | None,
+) -> Path:
+    """A float32 and an int16 variable written by zarr-python in the layout named: the
+    first chunk and the last (an edge chunk) hold the fill value only (0 with no fill
+    value), and are written or not as ``write_empty`` says; ``shards`` is the place of
+    the shard index (``"start"``, ``"end"``) or None for no shards (v3 only)."""
+    shape, chunks = (BIG_SHAPE, (1, 256, 256)) if big else (SHAPE, (2, 8, 8))
+    rng = np.random.default_rng(17)
+    values = {
+        "f": rng.standard_normal(shape).astype("f4"),
+        "i": rng.integers(-300, 300, shape).astype("i2"),
+    }
+    first = tuple(slice(0, c) for c in chunks)
+    last = tuple(slice(n - (n % c or c), n) for n, c in zip(shape, chunks, strict=True))
+    order = ">" if endian == "big" else "<"
+    group = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    for name, data in values.items():
+        fv = FILLS[fill]
+        if fv is not None and np.isnan(fv) and data.dtype.kind == "i":
+            fv = -5  # an integer's own stand-in for NaN
+        for region in (first, last):
+            data[region] = 0 if fv is None else fv
+        kwargs: dict[str, Any] = {"chunks": chunks}
+        if zarr_format == 2:
+            dtype = data.dtype.newbyteorder(order)
+            kwargs["attributes"] = {"_ARRAY_DIMENSIONS": list(DIMS)}
+        else:
+            dtype = data.dtype
+            kwargs["dimension_names"] = list(DIMS)
+            kwargs["serializer"] = zc.BytesCodec(endian=endian)
+            if shards is not None:
+                kwargs["chunks"] = (2 * chunks[0], *chunks[1:])
+                kwargs["serializer"] = zc.ShardingCodec(
+                    chunk_shape=chunks,
+                    codecs=[zc.BytesCodec(endian=endian), zc.ZstdCodec()],
+                    index_location=shards,
+                )
+                kwargs["compressors"] = None
+        array = group.create_array(
+            name,
+            shape=shape,
+            dtype=dtype,
+            fill_value=fv,
+            config={"write_empty_chunks": write_empty},
+            **kwargs,
+        )
+        array[:] = data
+    zarr.consolidate_metadata(path)  # an HTTP server lists no keys
+    # the layout under test: the first chunk's file is there only with write_empty
+    if shards is None:
+        key = "f/0.0.0" if zarr_format == 2 else "f/c/0/0/0"
+        assert (path / key).exists() == write_empty, key
+    return path
+
+
+def _references(root: Path) -> dict[str, Any]:
+    """kerchunk's form of references (version 1) to the Zarr v2 store at ``root``:
+    metadata inline, each chunk a [file, offset, length] of its own file."""
+    refs: dict[str, Any] = {}
+    for key, data in _files(root).items():
+        if key.rsplit("/", 1)[-1] in META:
+            refs[key] = data.decode()
+        else:
+            refs[key] = [str(root / key), 0, len(data)]
+    return {"version": 1, "refs": refs}
+
+
+@contextmanager
+def both_engines(kind: str, root: Path) -> Iterator[Both]:
+    """The store at ``root`` as a store of ``kind`` (those of ``as_store``, ``"refs"``:
+    kerchunk references to it, ``"icechunk"``: its keys committed to an Icechunk
+    repository), opened by both engines."""
+    if kind == "refs":
+        refs = _references(root)
+        options = {"fo": refs, "remote_protocol": "file"}
+        yield opener(
+            refs,
+            "reference://",
+            backend_kwargs={"storage_options": options, "consolidated": False},
+        )
+    elif kind == "icechunk":
+        icechunk = pytest.importorskip("icechunk")
+        from zarr.core.buffer import cpu
+
+        repo = icechunk.Repository.create(
+            icechunk.local_filesystem_storage(str(root.with_name(root.name + ".icechunk")))
+        )
+        session = repo.writable_session("main")
+
+        async def copy() -> None:
+            for key, data in _files(root).items():
+                if key != ".zmetadata":
+                    await session.store.set(key, cpu.Buffer.from_bytes(data))
+
+        asyncio.run(copy())
+        session.commit("the layout")
+        # the repository's storage: its chunks read from their files, not through the store
+        options = {"icechunk_storage": repo.storage}
+        store = repo.readonly_session(branch="main").store
+        yield opener(store, gds_kwargs={"storage_options": options})
+    else:
+        with as_store(kind, root) as store:
+            yield opener(store)
+
+
+@pytest.mark.parametrize("write_empty", [True, False], ids=["empty-written", "empty-skipped"])
+@pytest.mark.parametrize("fill", list(FILLS))
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_fill_values_with_and_without_empty_chunks(
+    tmp_path: Path, zarr_format: int, fill: str, write_empty: bool
+) -> None:
+    """Fill values 0, NaN, nonzero and none, their chunks written or not
+    (``write_empty_chunks``): every route reads what engine="zarr" reads."""
+    root = _layout(
+        tmp_path / "l.zarr",
+        zarr_format=zarr_format,
+        endian="little",
+        fill=fill,
+        write_empty=write_empty,
+        big=False,
+        shards=None,
+    )
+    assert_every_route(root, F4)
+
+
+def test_large_local_chunks_are_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 256 KiB and more read from a local path on the host are served chunk by
+    chunk (the streamed route), smaller ones are not; both as engine="zarr" reads."""
+    from xarray_gds import coalesce
+
+    streamed: list[int] = []
+    original = coalesce._serve_streamed
+
+    def spy(group: Any) -> None:
+        streamed.append(len(group))
+        original(group)
+
+    monkeypatch.setattr(coalesce, "_serve_streamed", spy)
+    for big in (False, True):
+        streamed.clear()
+        root = _layout(
+            tmp_path / f"{big}.zarr",
+            zarr_format=3,
+            endian="big",
+            fill="nan",
+            write_empty=False,
+            big=big,
+            shards=None,
+        )
+        assert_route(opener(root), "load", F4)
+        assert bool(streamed) == big, (big, streamed)
+
+
+# the kinds of store each Zarr format can be: kerchunk's references are v2, Icechunk v3
+KINDS = {2: ("path", "memory", "http", "refs"), 3: ("path", "memory", "http", "icechunk")}
+
+
+@st.composite
+def _layouts(draw: st.DrawFn) -> dict[str, Any]:
+    zarr_format = draw(st.sampled_from([2, 3]))
+    layout = {
+        "zarr_format": zarr_format,
+        "endian": draw(st.sampled_from(["little", "big"])),
+        "fill": draw(st.sampled_from(list(FILLS))),
+        "write_empty": draw(st.booleans()),
+        "big": draw(st.booleans()),
+        "shards": None,
+    }
+    kind = draw(st.sampled_from(KINDS[zarr_format]))
+    if zarr_format == 3:
+        layout["shards"] = draw(st.sampled_from([None, "start", "end"]))
+    route = draw(st.sampled_from([*ROUTES, "chunks={}", "loader"]))
+    return {"layout": layout, "kind": kind, "route": route}
+
+
+@settings(
+    max_examples=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=_layouts())
+def test_layout_space_on_every_route_and_store(case: dict[str, Any]) -> None:
+    """A fixed draw of the whole space: format x byte order x fill value x empty chunks
+    written or not x shards (index at either end) x chunks below or above the streamed
+    size x store kind x route, each as engine="zarr" reads it, dtype and byte order
+    included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = _layout(Path(tmp) / "l.zarr", **case["layout"])
+        with both_engines(case["kind"], root) as both:
+            assert_route(both, case["route"], F4)
+
+
+@pytest.mark.parametrize("kind", ["refs", "icechunk"])
+def test_every_route_from_references_and_icechunk(tmp_path: Path, kind: str) -> None:
+    """kerchunk's references (to a big-endian v2 store with NaN fill and unwritten chunks)
+    and an Icechunk repository (a sharded big-endian v3 store): every route as engine="zarr"."""
+    zarr_format = 2 if kind == "refs" else 3
+    root = _layout(
+        tmp_path / "l.zarr",
+        zarr_format=zarr_format,
+        endian="big",
+        fill="nan",
+        write_empty=False,
+        big=False,
+        shards=None if kind == "refs" else "end",
+    )
+    with both_engines(kind, root) as both:
+        assert_every_route(root, F4, both)
+
+
+async def _keys(store: Any) -> set[str]:
+    return {k async for k in store.list()}
+
+
+@pytest.mark.parametrize("write_empty", [True, False], ids=["empty-written", "empty-skipped"])
+@pytest.mark.parametrize("kind", ["memory-v2", "memory-v3", "icechunk"])
+def test_write_empty_chunks_keys_in_memory_and_icechunk(
+    tmp_path: Path, kind: str, write_empty: bool
+) -> None:
+    """Into a ``MemoryStore`` and an Icechunk session, ``xarray_gds.to_zarr`` writes the
+    keys xarray's engine="zarr" writes (fill values NaN, 0, nonzero and, in v2, none;
+    ``write_empty_chunks`` true and false, whole and region writes), and what it wrote
+    reads back as engine="zarr" reads xarray's."""
+    from zarr.storage import MemoryStore
+
+    import xarray_gds
+
+    zarr_format = 2 if kind == "memory-v2" else 3
+    ds = _empty_chunks_dataset()
+    encoding: dict[str, dict[str, Any]] = {k: {"chunks": (2, 8, 8)} for k in ds}
+    for name, fill in _fill_encoding(zarr_format).items():
+        encoding[name].update(fill)
+    region = {"t": slice(0, 2), "y": slice(0, 16), "x": slice(0, 16)}
+    blank = ds.isel(region)
+    blank = blank.assign(f=blank.f * np.nan, i=blank.i * 0, n=blank.n * 0 + 7, u=blank.u * 0)
+    stores: list[Any] = []
+    options: dict[str, Any] = {}  # the storage of our repository, to read its chunks
+    for n, write in enumerate((xarray_gds.to_zarr, None)):
+        kwargs: dict[str, Any] = {"zarr_format": zarr_format, "write_empty_chunks": write_empty}
+        if kind == "icechunk":
+            icechunk = pytest.importorskip("icechunk")
+            storage = icechunk.local_filesystem_storage(str(tmp_path / f"repo{n}"))
+            session = icechunk.Repository.create(storage).writable_session("main")
+            store, kwargs["consolidated"] = session.store, False
+            options = options or {"storage_options": {"icechunk_storage": storage}}
+        else:
+            store = MemoryStore()
+        if write is None:
+            ds.to_zarr(store, mode="w", encoding=encoding, **kwargs)
+            blank.to_zarr(store, region=region, **kwargs)
+        else:
+            write(ds, store, mode="w", encoding=encoding, **kwargs)
+            write(blank, store, region=region, **kwargs)
+        stores.append(store)
+    ours, ref = stores
+    keys = asyncio.run(_keys(ref))
+    assert asyncio.run(_keys(ours)) == keys
+    first = "f/c/0/0/0" if zarr_format == 3 else "f/0.0.0"
+    assert (first in keys) == write_empty  # the layout under test
+    gds = xr.open_dataset(ours, engine="gds-zarr", device="cpu", **options).load()
+    assert_same(gds, xr.open_dataset(ref, engine="zarr").load(), kind)

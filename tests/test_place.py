@@ -82,3 +82,17 @@ def test_the_device_branches_place_the_same(monkeypatch: pytest.MonkeyPatch) -> 
                 place(out, CHUNKS[[0, 2]], [0, 2], 4, _where, -1, on_device, tiling=tiling)
         np.testing.assert_array_equal(device, host)
         assert (host != 0).any()
+
+
+def test_a_crop_that_ends_inside_a_row_of_chunks() -> None:
+    """A window whose crop starts and ends inside rows of chunks after the first (rows
+    3-4 and 1-2 of the block, row by row on the host): each row's part of the block is
+    cut at both ends (place ``last - lo`` -> ``last + lo`` read past the crop)."""
+    for crop_rows, at in ((slice(3, 4), 2), (slice(1, 3), 0)):
+        out = np.zeros((6, 4), dtype="i4")
+        n = crop_rows.stop - crop_rows.start
+        window, crop = (slice(at, at + n), slice(0, 4)), (crop_rows, slice(2, 6))
+        place(out, CHUNKS, [0, 1, 2, 3], 4, _where, -1, False, tiling=Tiling(GRID, window, crop))
+        expected = np.zeros((6, 4), dtype="i4")
+        expected[at : at + n] = WHOLE[crop_rows, 2:6]
+        np.testing.assert_array_equal(out, expected)

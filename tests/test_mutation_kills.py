@@ -1,0 +1,698 @@
+"""Tests written for mutants that survived ``scripts/mutation-run.py`` (Cosmic Ray's
+mutants of the read and write modules, sampled without a person choosing them): each
+test names the module and the mutation it stops, and compares with what zarr-python
+(``engine="zarr"``) reads or writes wherever the engine's output is at stake."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+from tests.conftest import open_both
+from xarray_gds import ChunkDecodeError
+
+
+def _rows_store(path: Path, rows: int = 12) -> Path:
+    """``rows`` rows of one zstd chunk each (float64, 1 x 6)."""
+    values = np.arange(rows * 6, dtype="f8").reshape(rows, 6)
+    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(
+        path, zarr_format=3, encoding={"v": {"chunks": (1, 6)}}
+    )
+    return path
+
+
+def _bounded(read: Any, seconds: float = 60.0) -> Any:
+    """``read()`` in a thread: its result or its exception, failing the test when it has
+    not finished within ``seconds`` (a read that hangs, not a slow one)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = read()
+        except BaseException as err:
+            out["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the read did not finish"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+# -- coalesce.py ----------------------------------------------------------------------------
+def test_points_read_in_one_part(v3_store: Path, v2_store: Path) -> None:
+    """coalesce ``while not state.done`` -> ``while state.done``: zarr's own indexing (a
+    points selection) reads through the pipeline in one part, ``fetch_decode`` of one
+    request, as engine="zarr" reads it."""
+    for store in (v3_store, v2_store):
+        gds, ref = open_both(store, "cpu")
+        sel = {"time": [0, 7, 3], "lon": [1, 10]}
+        xr.testing.assert_identical(gds.isel(sel).load(), ref.isel(sel).load())
+
+
+def test_failing_first_part_stops_the_part_servers(tmp_path: Path) -> None:
+    """coalesce ``stop = True`` -> ``stop = False`` (after a part fails): a read in many
+    parts whose first part's chunk is damaged raises ChunkDecodeError naming it, as
+    zarr-python fails on it, instead of waiting for ever on the part servers."""
+    path = _rows_store(tmp_path / "rows.zarr")
+    (path / "v" / "c" / "0" / "0").write_bytes(b"not a zstd frame at all")
+    with pytest.raises(RuntimeError, match="Zstd decompression error"):  # zarr-python too
+        xr.open_dataset(path, engine="zarr").v.load()
+
+    def read() -> Any:
+        with zarr.config.set({"xarray_gds.batch_bytes": 48}):  # one chunk a part
+            return xr.open_dataset(path, engine="gds-zarr", device="cpu").v.load()
+
+    with pytest.raises(ChunkDecodeError, match=r"'v/c/0/0'"):
+        _bounded(read)
+
+
+def test_host_route_asks_once_per_chain_with_its_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    """coalesce ``break`` -> ``continue`` (in ``_host_route``): the route is asked once a
+    decode chain, for the chunks of all the group's requests of that chain together,
+    never for one request's share (a cost model need not be monotone in the count)."""
+    from tests.test_host_logic import _chain, _requests
+    from xarray_gds import coalesce, route
+
+    asked: list[tuple[str | None, int]] = []
+
+    def choose(compressor: Any, n: int, nbytes: int) -> str:
+        asked.append((getattr(compressor, "name", compressor), n))
+        return "host"
+
+    monkeypatch.setattr(route, "choose", choose)
+    zstd, gzip = _chain("zstd"), _chain("gzip")
+    assert coalesce._host_route(_requests((zstd, 3), (gzip, 2), (zstd, 5), (zstd, 1)))
+    assert sorted(asked) == [("gzip", 2), ("zstd", 9)]
+
+
+def _mixed_store(path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A v3 store of a sharded variable (its chunks read by byte ranges), an unsharded one
+    (whole chunk files) and a second unsharded one of the same codecs."""
+    import zarr.codecs as zc
+
+    rng = np.random.default_rng(3)
+    values = {n: rng.standard_normal((8, 12)).astype("f4") for n in ("s", "w", "x")}
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    for name, data in values.items():
+        kwargs: dict[str, Any] = {"chunks": (4, 6), "compressors": [zc.ZstdCodec()]}
+        if name == "s":
+            kwargs["shards"] = (8, 12)
+        array = group.create_array(
+            name, shape=data.shape, dtype=data.dtype, dimension_names=["a", "b"], **kwargs
+        )
+        array[:] = data
+    zarr.consolidate_metadata(path)
+    return path, values
+
+
+def test_a_batch_of_whole_chunks_and_byte_ranges(tmp_path: Path) -> None:
+    """coalesce ``for ranged in (False, True)`` -> ``(False, False)``: a dataset loaded in
+    one batch whose variables are read as whole chunk files and as byte ranges of shards
+    at once reads both, as engine="zarr" does."""
+    path, values = _mixed_store(tmp_path / "mixed.zarr")
+    gds, ref = open_both(path, "cpu")
+    got = gds.load()
+    xr.testing.assert_identical(got, ref.load())
+    for name, data in values.items():
+        np.testing.assert_array_equal(got[name].values, data, strict=True)
+
+
+# -- decode.py ------------------------------------------------------------------------------
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("n_chunks", "chunk", "parts", "batch", "want"),
+    [
+        (1000, MIB, 1, None, 1000),  # 1000 MiB: within the host's 1 GiB, one part
+        (2000, MIB, 1, None, 1024),  # the budget: 1 GiB a part
+        (200, MIB, 4, None, 64),  # 50 MiB a part asked: never below 64 MiB
+        (1000, MIB, 4, None, 250),  # 250 MiB a part
+        (1000, MIB, 4, 100 * MIB, 100),  # the configured budget wins
+        (10, 0, 1, None, 64 * MIB),  # empty chunks count as one byte
+    ],
+)
+def test_part_chunks_exact(
+    n_chunks: int, chunk: int, parts: int, batch: int | None, want: int
+) -> None:
+    """decode ``max(1, pipeline_parts)`` -> ``max(2, ...)`` and ``MIN_PART_BYTES = 64 << 20``
+    -> ``64 << 19``: the chunks a part of a host read holds, exactly, for reads below
+    and above the batch budget and the smallest part, split into parts or not."""
+    from xarray_gds import decode
+
+    settings: dict[str, Any] = {"xarray_gds.pipeline_parts": parts}
+    if batch is not None:
+        settings["xarray_gds.batch_bytes"] = batch
+    with zarr.config.set(settings):
+        assert decode.part_chunks(n_chunks, chunk, on_device=False) == want
+
+
+def test_joined_keys_of_nothing() -> None:
+    """decode ``... else 0`` -> ``... else -1`` (``Joined.__len__``): no key sequences at
+    all join into an empty sequence."""
+    from xarray_gds import decode
+
+    joined = decode.Joined([])
+    assert len(joined) == 0 and list(joined) == [] and joined[:] == []
+
+
+@pytest.mark.parametrize("host", [0, 1, 3, 100])
+def test_decode_split_matches_the_host_decode(
+    monkeypatch: pytest.MonkeyPatch, store_factory: Any, host: int
+) -> None:
+    """decode_split (the GPU's batch shared with the host pool) with a fake CuPy over numpy
+    and nvCOMP's decode standing in as the host decode: the rows of the nvCOMP share and
+    of the host share (the last present chunks, their stored bytes from the arena) land
+    where ``decode_fetched`` on the host puts them, and the pinned lease is the host
+    share's decoded size. Kills decode ``o + s`` -> ``o // s``, ``host * nbytes`` ->
+    ``host | nbytes``, ``rows[m + i]`` -> ``rows[m ** i]`` and ``if m:`` -> ``if not m:``."""
+    import threading
+
+    from tests.test_host_logic import _all_chunks, _fake_cupy, _Staging
+    from xarray_gds import decode
+    from xarray_gds import device as _device
+    from xarray_gds.batch import DeviceBatch
+    from xarray_gds.codecs import nvcomp
+
+    chain, keys, fetched = _all_chunks(store_factory(3, "zstd"))
+    want_present, want = decode.decode_fetched(chain, fetched, keys, False)
+    # the fetched chunks as one arena at 16-byte boundaries, -1 the size of a missing one
+    offsets, sizes, at = [], [], 0
+    for data in fetched:
+        offsets.append(at)
+        sizes.append(-1 if data is None else len(data))
+        at += 0 if data is None else -(-len(data) // 16) * 16
+    arena = np.zeros(at + 16, dtype=np.uint8)
+    for o, data in zip(offsets, fetched, strict=True):
+        if data is not None:
+            arena[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    batch = DeviceBatch(arena, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
+
+    def gpu_decode(chain: Any, batch: DeviceBatch, idx: list[int], names: Any) -> Any:
+        out = np.empty((len(idx), chain.nbytes), dtype=np.uint8)
+        stored = [batch.arena[batch.offsets[i] : batch.offsets[i] + batch.sizes[i]] for i in idx]
+        decode.decode_host(chain, stored, names, out)
+        return out
+
+    fake = _fake_cupy()
+    fake.asnumpy = np.asarray
+    monkeypatch.setattr(_device, "cupy", lambda: fake)
+    monkeypatch.setattr(decode, "_streams", threading.local())
+    monkeypatch.setattr(nvcomp, "decode", gpu_decode)
+    staging = _Staging()
+    present, got = decode.decode_split(chain, batch, keys, staging, host, 2)
+    assert present == want_present
+    shared = min(host, len(present))
+    assert staging.leased == ([shared * chain.nbytes] if shared else [])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# -- region.py ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("codec", "box_read"), [("zstd", True), ("blosc-blosclz", False)])
+def test_device_box_reads_only_of_chains_the_device_decodes(
+    monkeypatch: pytest.MonkeyPatch, store_factory: Any, codec: str, box_read: bool
+) -> None:
+    """region ``on_device and not chain.device_ready`` -> ``on_device and
+    chain.device_ready``: with a fake CuPy, a device read of a chain nVCOMP decodes
+    (zstd) is a box read, one of a chain it cannot (Blosc's blosclz) is left to zarr's
+    own path; on the host both are box reads."""
+    import types
+
+    from tests.test_host_logic import _fake_cupy
+    from xarray_gds import device as _device
+    from xarray_gds import region
+
+    ds = xr.open_dataset(store_factory(2, codec), engine="gds-zarr", device="cpu")
+    lazy = ds.t2m.variable._data
+    while not hasattr(lazy, "get_array"):  # xarray's wrappers around the engine's array
+        lazy = lazy.array
+    array = lazy.get_array()
+    key = (slice(None),) * 3
+    assert region._plan(array, key, "cpu") is not None
+    fake = _fake_cupy()
+    fake.cuda.runtime = types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 30))
+    monkeypatch.setattr(_device, "cupy", lambda: fake)
+    assert (region._plan(array, key, "cuda") is not None) == box_read
+
+
+# -- locking.py -----------------------------------------------------------------------------
+def test_lock_timeout_default_is_the_documented_600_s() -> None:
+    """locking ``DEFAULT_TIMEOUT = 600.0`` -> ``601.0``: ``to_zarr``'s docstring says a writer
+    waits 600 s by default; the default it has, and the lock's, are that."""
+    import inspect
+
+    import xarray_gds
+    from xarray_gds.stores import lock as locking
+
+    assert "600 by default" in (xarray_gds.to_zarr.__doc__ or "")
+    default = inspect.signature(xarray_gds.to_zarr).parameters["lock_timeout"].default
+    assert default == 600.0
+    assert inspect.signature(locking.writer_lock).parameters["timeout"].default == 600.0
+
+
+def test_releasing_a_memory_lock_not_held_gives_nothing_back() -> None:
+    """locking ``self._held = False`` -> ``True`` (in ``__init__`` and in ``release``): a
+    memory store's lock that was never taken, or was given back already, gives nothing
+    back when released, so the writer that holds the lock keeps it."""
+    from zarr.storage import MemoryStore
+
+    from xarray_gds.stores.lock import WriterLock, writer_lock
+
+    store = MemoryStore()
+    first = writer_lock(store)
+    first.release()
+    first.release()  # a second release: nothing
+    holder = writer_lock(store, timeout=0)
+    try:
+        WriterLock(store).release()  # never taken: nothing
+        first.release()
+        with pytest.raises(TimeoutError, match="being written by another writer"):
+            writer_lock(store, timeout=0)
+    finally:
+        holder.release()
+    writer_lock(store, timeout=0).release()
+
+
+def test_lock_file_mode_follows_the_umask(tmp_path: Path) -> None:
+    """locking ``0o666`` -> ``437`` (the lock file's mode): the file is made readable and
+    writable by everyone the umask lets, as other files of the store are."""
+    import os
+    import stat
+
+    from zarr.storage import LocalStore
+
+    from xarray_gds.stores.lock import lock_path, writer_lock
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    root = tmp_path / "s.zarr"
+    writer_lock(LocalStore(root)).release()
+    assert stat.S_IMODE(lock_path(root).stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> None:
+    """locking ``except OSError`` -> another exception, and the warning's ``stacklevel``: a
+    lock file that cannot be opened (a directory stands at its path) warns, naming it,
+    at the line that asked for the lock, and the write goes on without the lock, writing
+    what engine="zarr" reads back as the dataset written."""
+    import warnings
+
+    from zarr.storage import LocalStore
+
+    import xarray_gds
+    from xarray_gds.stores.lock import lock_path, writer_lock
+
+    root = tmp_path / "s.zarr"
+    lock_path(root).mkdir(parents=True)
+    with pytest.warns(RuntimeWarning, match="cannot make the writer lock file") as caught:
+        writer_lock(LocalStore(root)).release()
+    (warning,) = caught
+    assert str(lock_path(root)) in str(warning.message)
+    assert warning.filename == __file__, warning.filename
+    ds = xr.Dataset({"v": (("a",), np.arange(6.0))})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "xarray-gds: cannot make the writer lock file")
+        xarray_gds.to_zarr(ds, root, mode="w")
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
+
+
+def test_a_file_lock_waiter_polls_from_1_ms_doubling_up_to_50_ms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """locking ``delay if left is None else ...`` -> ``delay if not left is None ...`` and
+    the backoff ``min(2 * delay, 0.05)`` (-> ``1 * delay``, -> ``1.05``): a writer that
+    waits for a local store's lock (with no time limit, or with one) polls after 1 ms,
+    then twice as long each time up to 50 ms, and takes the
+    lock once the holder gives it back."""
+    from zarr.storage import LocalStore
+
+    from xarray_gds.stores import lock as locking
+
+    store = LocalStore(tmp_path / "s.zarr")
+    for timeout in (None, 30.0):
+        holder = locking.writer_lock(store)
+        slept: list[float] = []
+
+        def sleep(seconds: float, holder: Any = holder, slept: list[float] = slept) -> None:
+            slept.append(seconds)
+            if len(slept) == 9:
+                holder.release()  # the waiter takes it at its next try
+
+        monkeypatch.setattr(locking.time, "sleep", sleep)
+        waiter = _bounded(lambda timeout=timeout: locking.writer_lock(store, timeout))
+        waiter.release()
+        monkeypatch.undo()
+        assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05], timeout
+
+
+def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """locking ``timeout=-1 if timeout is None`` -> ``- 0``, and ``max(0.0, timeout)`` ->
+    ``max(-1.0, timeout)``: a memory store's lock is waited for without a bound for
+    ``timeout=None``, for ``timeout`` seconds, and not at all for a negative one (which
+    fails at once when the lock is held)."""
+    from zarr.storage import MemoryStore
+
+    from xarray_gds.stores import lock as locking
+
+    store = MemoryStore()
+    key = str(store)
+    locking.writer_lock(store).release()  # the store's lock exists
+    real = locking._memory_locks[key]
+    asked: list[float] = []
+
+    class Spy:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            asked.append(timeout)
+            return real.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            real.release()
+
+    monkeypatch.setitem(locking._memory_locks, key, Spy())
+    for timeout in (None, 2.5, -3.0):
+        locking.writer_lock(store, timeout).release()
+    assert asked == [-1, 2.5, 0.0]
+    holder = locking.writer_lock(store)
+    try:
+        with pytest.raises(TimeoutError, match="being written by another writer"):
+            _bounded(lambda: locking.writer_lock(store, -3.0))
+    finally:
+        holder.release()
+
+
+# -- tidy.py --------------------------------------------------------------------------------
+#: layout -> (zarr format, chunk key encoding, consolidated, key of chunk (5, 0), of (0, 0))
+TIDY_LAYOUTS: dict[str, tuple[int, dict[str, str] | None, bool, str, str]] = {
+    "v2-dot": (2, None, True, "5.0", "0.0"),
+    "v2-slash": (2, {"name": "v2", "separator": "/"}, True, "5/0", "0/0"),
+    "v3": (3, None, True, "c/5/0", "c/0/0"),
+    "v3-v2-keys": (3, {"name": "v2", "separator": "."}, True, "5.0", "0.0"),
+    "v3-unconsolidated": (3, None, False, "c/5/0", "c/0/0"),
+}
+
+
+@pytest.mark.parametrize("layout", list(TIDY_LAYOUTS))
+def test_tidy_in_every_key_layout(tmp_path: Path, layout: str) -> None:
+    """tidy ``.zmetadata`` read only when it is a dict (``not isinstance`` / ``or``), the
+    ``chunk_key_encoding`` of v3 arrays (``or`` -> ``and``), v2 groups' ``.zgroup`` as
+    nodes (``_V2[:2]`` -> ``_V2[:1]``), leftovers hashable (``frozen=False``) and
+    ``tidy``'s keyword-only arguments (``*`` -> ``/``): in v2 stores (``.`` and ``/`` keys),
+    v3 stores (default and v2 keys) and a v3 store never consolidated, an orphan chunk, a
+    new array's chunks without metadata and (consolidated) a document ahead of the
+    consolidated metadata are found, exactly, and removed or put back; the store then
+    reads as engine="zarr" read it before."""
+    import dataclasses
+    import json
+
+    from xarray_gds.tidy import find_leftovers, tidy
+
+    zarr_format, keys, consolidated, orphan, first = TIDY_LAYOUTS[layout]
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    for name in ("a", "b"):
+        kwargs: dict[str, Any] = {"chunk_key_encoding": keys} if keys else {}
+        if zarr_format == 2:
+            kwargs["attributes"] = {"_ARRAY_DIMENSIONS": ["y", "x"]}
+        else:
+            kwargs["dimension_names"] = ["y", "x"]
+        array = group.create_array(name, shape=(2, 4), chunks=(1, 4), dtype="f4", **kwargs)
+        array[:] = np.arange(8, dtype="f4").reshape(2, 4)
+    if consolidated:
+        zarr.consolidate_metadata(root)
+    before = xr.open_dataset(root, engine="zarr").load()
+    (root / "a" / orphan).parent.mkdir(parents=True, exist_ok=True)
+    (root / "a" / orphan).write_bytes((root / "a" / first).read_bytes())
+    (root / "new" / first).parent.mkdir(parents=True)
+    (root / "new" / first).write_bytes(b"chunk")
+    want = {(f"a/{orphan}", "orphan-chunk"), ("new", "unpublished-node")}
+    if consolidated:
+        doc_key = "b/zarr.json" if zarr_format == 3 else "b/.zarray"
+        doc = json.loads((root / doc_key).read_text())
+        doc["shape"] = [3, 4]
+        (root / doc_key).write_text(json.dumps(doc))
+        want.add((doc_key, "metadata-ahead"))
+    found = find_leftovers(root, trust_consolidated=True)
+    assert {(f.path, f.kind) for f in found} == want
+    assert len(set(found)) == len(found)  # leftovers are hashable values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found[0].kind = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        tidy(root, True)  # type: ignore[misc]  # dry_run is keyword-only
+    assert {(f.path, f.kind) for f in tidy(store=root, trust_consolidated=True)} == want
+    assert find_leftovers(root, trust_consolidated=True) == []
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), before)
+
+
+# -- write.py -------------------------------------------------------------------------------
+def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
+    tmp_path: Path,
+) -> None:
+    """write ``for name, var in ds.variables.items()`` -> ``in []``, ``if name in ds.indexes
+    or ...`` -> ``if not name in ...`` and ``var.ndim == 0`` -> ``var.ndim >= 0``: the
+    user's own dask variables are seen as such, so xarray's check of dask chunks against
+    zarr chunks stays on (``safe_chunks``): a region write whose dask chunks would share
+    a zarr chunk fails with xarray's error, and the store keeps what engine="zarr" reads
+    there before, as with ``Dataset.to_zarr``."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("a",), np.arange(8.0))})
+    part = ds.isel(a=slice(2, 6)).chunk({"a": 2}) * 10
+    stores = {}
+    for name, write in (("ours", xarray_gds.to_zarr), ("xarray", None)):
+        root = tmp_path / f"{name}.zarr"
+        ds.to_zarr(root, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+        with pytest.raises(ValueError, match="would overlap multiple Dask chunks"):
+            if write is None:
+                part.to_zarr(root, region={"a": slice(2, 6)}, consolidated=False)
+            else:
+                write(part, root, region={"a": slice(2, 6)}, consolidated=False)
+        stores[name] = xr.open_dataset(root, engine="zarr", consolidated=False).load()
+    xr.testing.assert_identical(stores["ours"], stores["xarray"])
+    xr.testing.assert_identical(stores["ours"], ds)
+
+
+# -- store.py -------------------------------------------------------------------------------
+def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
+    """store ``*`` -> ``/`` in ``get_sync`` and ``_open``: the engine's store keeps the kinds
+    of parameters of zarr's ``LocalStore`` (keyword-only where zarr's are), so that every
+    call zarr makes of a local store works on it."""
+    import inspect
+
+    from zarr.storage import LocalStore
+
+    from xarray_gds import GdsStore
+
+    for name in ("get_sync", "_open", "get", "get_partial_values", "set", "delete_dir"):
+        ours = inspect.signature(getattr(GdsStore, name)).parameters
+        theirs = inspect.signature(getattr(LocalStore, name)).parameters
+        assert [(p.name, p.kind) for p in ours.values()] == [
+            (p.name, p.kind) for p in theirs.values()
+        ], name
+
+
+async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_path: Path) -> None:
+    """store ``key.split("/")[:-1]`` -> ``[:-2]`` (``set``), -> ``[:-0]``
+    (``set_if_not_exists``) and prefix ``[:-1]`` -> ``[:not 1]`` (``delete_dir``): a
+    chunk's own directory linked out of the root, or its array's, refuses writes,
+    conditional writes and deletes of a tree through it, and the files outside stay."""
+    import shutil
+
+    from zarr.core.buffer import cpu
+
+    from xarray_gds import GdsStore
+
+    outside = tmp_path / "outside"
+    (outside / "c").mkdir(parents=True)
+    (outside / "c" / "0").write_bytes(b"kept")
+    root = tmp_path / "s.zarr"
+    store = await GdsStore.open(root, read_only=False)
+    await store.set("v/zarr.json", cpu.Buffer.from_bytes(b"{}"))
+    value = cpu.Buffer.from_bytes(b"chunk")
+    for link, target in (("v/c", outside / "c"), ("v", outside)):
+        if (root / "v").is_symlink():
+            (root / "v").unlink()
+        shutil.rmtree(root / "v", ignore_errors=True)
+        (root / link).parent.mkdir(parents=True, exist_ok=True)
+        (root / link).symlink_to(target, target_is_directory=True)
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.set("v/c/1", value)
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.set_if_not_exists("v/c/2", value)
+        if link == "v":
+            with pytest.raises(ValueError, match="is a symbolic link"):
+                await store.delete_dir("v/c")
+        assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
+        assert (outside / "c" / "0").read_bytes() == b"kept"
+
+
+# -- deferred.py ----------------------------------------------------------------------------
+def test_a_failed_write_keeps_chunks_of_existing_arrays_below_new_group_documents() -> None:
+    """deferred ``return False`` -> ``return True`` (``.zattrs``/``.zgroup`` taken for an
+    array's metadata): a failed write that made a new group document (the root's
+    ``.zattrs``, missing from a store zarr-python made) and added a chunk to an existing
+    v2 array keeps that chunk, as it keeps every chunk of arrays that existed before; it
+    removes only the new documents' held state and the new arrays' chunks."""
+    from zarr.storage import FsspecStore
+
+    from tests.test_deferred import _buffer, _keys
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    inner = FsspecStore.from_url(f"memory://held-groups-{id(object())}", read_only=False)
+    sync(inner.set(".zgroup", _buffer(b'{"zarr_format": 2}')))
+    sync(inner.set("q/.zarray", _buffer(b'{"zarr_format": 2, "shape": [8]}')))
+    sync(inner.set("q/0", _buffer(b"old")))
+    store = HeldMetadataStore(inner)
+    sync(store.set(".zattrs", _buffer(b'{"title": "new"}')))
+    sync(store.set("g/.zgroup", _buffer(b'{"zarr_format": 2}')))
+    sync(store.set("q/1", _buffer(b"more")))
+    store.discard()
+    assert _keys(inner) == [".zgroup", "q/.zarray", "q/0", "q/1"]
+
+
+def test_after_a_failed_metadata_flush_later_chunk_writes_are_refused() -> None:
+    """deferred ``write.failed = True`` -> ``False`` (when writing the held metadata fails):
+    the write has failed, so a chunk write of it that comes later is refused, naming
+    the key, and writes nothing, as after a discard."""
+    from zarr.storage import MemoryStore
+
+    from tests.test_deferred import ARRAY_META, _buffer, _keys
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    class Failing(MemoryStore):
+        async def set(self, key: str, value: Any) -> None:
+            if key.endswith("zarr.json"):
+                raise OSError("metadata write failed")
+            await super().set(key, value)
+
+    inner = Failing()
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    sync(store.set("p/c/0", _buffer(b"early")))
+    with pytest.raises(OSError, match="metadata write failed"):
+        store.flush()
+    with pytest.raises(RuntimeError, match=r"not writing 'p/c/1' .* failed"):
+        sync(store.set("p/c/1", _buffer(b"later")))
+    assert _keys(inner) == []
+
+
+def test_partial_reads_of_held_metadata_only_are_served_from_what_is_held() -> None:
+    """deferred ``self._held(k) is not None`` -> ``is None`` (``get_partial_values``): byte
+    ranges of held documents alone are served from what is held (not from the store
+    below, where they are older or missing), as are those of held and stored keys
+    mixed."""
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    from tests.test_deferred import ARRAY_META, _buffer
+    from xarray_gds.deferred import HeldMetadataStore, sync
+
+    inner = MemoryStore()
+    sync(inner.set("q/zarr.json", _buffer(b'{"old": 1}')))
+    sync(inner.set("q/c/0", _buffer(b"chunk")))
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    sync(store.set("q/zarr.json", _buffer(ARRAY_META)))
+    proto = default_buffer_prototype()
+    for asked, want in (
+        (
+            [("p/zarr.json", None), ("q/zarr.json", RangeByteRequest(2, 13))],
+            [ARRAY_META, ARRAY_META[2:13]],
+        ),
+        ([("q/zarr.json", None), ("q/c/0", RangeByteRequest(1, 3))], [ARRAY_META, b"hu"]),
+    ):
+        got = sync(store.get_partial_values(proto, asked))
+        assert [g.to_bytes() for g in got] == want
+    store.discard()
+
+
+def test_a_dict_target_is_written_as_xarray_writes_it_and_others_are_refused() -> None:
+    """write ``isinstance(store, dict)`` -> ``not isinstance(...)``: a dict is a memory
+    store of its own keys, written with the keys and bytes ``Dataset.to_zarr`` writes
+    into a dict; a target of no kind the function takes is refused, naming the kinds."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("a",), np.arange(6.0))})
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    xarray_gds.to_zarr(ds, ours, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+    ds.to_zarr(theirs, encoding={"v": {"chunks": (4,)}}, consolidated=False)
+    assert sorted(ours) == sorted(theirs) and ours
+    got = {k: v.to_bytes() for k, v in ours.items() if not k.endswith("zarr.json")}
+    assert got == {k: v.to_bytes() for k, v in theirs.items() if not k.endswith("zarr.json")}
+    with pytest.raises(TypeError, match="must be a path, a URL, a zarr Store"):
+        xarray_gds.to_zarr(ds, 42)
+
+
+def test_chunk_paths_refuse_keys_that_leave_the_root(tmp_path: Path) -> None:
+    """store ``for key in keys`` -> ``for key in []`` (``chunk_paths``): the files of the
+    engine's batched chunk reads are checked as ``resolve`` checks keys: one that would
+    leave the store's root is refused, whichever of the keys it is."""
+    from xarray_gds import GdsStore
+
+    store = GdsStore(tmp_path / "s.zarr", read_only=True)
+    assert store.chunk_paths(["v/c/0", "v/c/1"]) == [
+        f"{tmp_path / 's.zarr'}/v/c/0",
+        f"{tmp_path / 's.zarr'}/v/c/1",
+    ]
+    for bad in ("../other/c/0", "v/../../x", "/etc/passwd"):
+        with pytest.raises(ValueError, match="invalid key"):
+            store.chunk_paths(["v/c/0", bad])
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "rows"),
+    [((24, 6), (3, 6), slice(None)), ((30, 8), (4, 3), slice(5, 29)), ((26, 5, 4), (5, 2, 4), 7)],
+)
+def test_box_reads_of_many_rows_of_tall_chunks(
+    tmp_path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], rows: Any
+) -> None:
+    """region ``origin[0] + grid[0] * cs[0]`` -> ``origin[0] + grid[0] + cs[0]``: a host box
+    read of four rows of chunks or more (placed as one tiling of the block), chunks
+    several rows tall, reads every row as engine="zarr" does."""
+    values = np.arange(np.prod(shape), dtype="f4").reshape(shape)
+    dims = [f"d{i}" for i in range(len(shape))]
+    path = tmp_path / "tall.zarr"
+    xr.Dataset({"v": (dims, values)}).to_zarr(path, encoding={"v": {"chunks": chunks}})
+    gds, ref = open_both(path, "cpu")
+    sel = {"d0": rows} if not isinstance(rows, int) else {"d1": slice(1, None)}
+    xr.testing.assert_identical(gds.v.isel(sel).load(), ref.v.isel(sel).load())
+
+
+# -- sources.py -----------------------------------------------------------------------------
+def test_whole_chunk_objects_over_http_on_the_host(tmp_path: Path, v3_store: Path) -> None:
+    """sources ``if not on_device`` -> ``if not not on_device`` (``RemoteSource.read_all``):
+    unsharded chunks of a store served over HTTP, each a whole object, read on the host
+    as engine="zarr" reads them."""
+    import shutil
+
+    from tests._http import serve
+
+    root = tmp_path / "served"
+    shutil.copytree(v3_store, root / "s.zarr")
+    with serve(root) as url:
+        gds, ref = open_both(f"{url}/s.zarr", "cpu")
+        xr.testing.assert_identical(gds.load(), ref.load())
+
+
+@pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning")
+def test_references_to_a_sharded_v3_store(tmp_path: Path) -> None:
+    """sources ``None if ref is None else narrow(...)`` -> ``None if not ref is None ...``
+    (``ReferenceSource.read_ranges_all``): references to the shard files of a v3 store
+    read each inner chunk by its byte range of the referenced file, missing ones as the
+    fill value, as engine="zarr" reads the store itself."""
+    from tests.test_layouts import _references, _sharded
+
+    root = _sharded(tmp_path / "s.zarr", "end", True)
+    got = xr.open_dataset(_references(root), engine="gds-zarr", device="cpu").load()
+    xr.testing.assert_identical(got, xr.open_dataset(root, engine="zarr").load())
