@@ -61,7 +61,8 @@ class EncodeChain:
         Codec names, for messages.
     options : object, optional
         The compressor's settings, for formats whose chunks are containers of streams
-        (Blosc: a :class:`~xarray_gds.codecs.blosc_encode.BloscEncode`); None otherwise.
+        (:attr:`~xarray_gds.codecs.formats.base.Format.container`): an object whose
+        ``encode(data, **options)`` makes the frames; None otherwise.
     """
 
     chunk_shape: tuple[int, ...]
@@ -378,10 +379,8 @@ def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
     if fmt is None:
         return pack(None, None, data, None)
     frames = chain.frames
-    if frames is not None:  # containers of streams (Blosc)
-        from xarray_gds.codecs.blosc_encode import encode_frames
-
-        return Encoded(*encode_frames(frames, data))
+    if frames is not None:  # containers of streams: the format's own batched encoder
+        return Encoded(*frames.encode(data))
     raw = [fmt.encode_raw(row) for row in data]
     checksums = adler32(data, np) if fmt.adler32 else None
     return pack(fmt, raw, data, checksums)
