@@ -1,7 +1,8 @@
 """Where a batch of GPU-bound chunks decodes: nvCOMP on the GPU, or the host pool.
 
 nvCOMP spreads a batch over its chunks, so a batch of few chunks uses a small part of
-the GPU: on an H200 one 4 MB zstd chunk took 37.8 ms alone, 8 of them 51 ms and 152 of
+the GPU: on an H200 one 4 MB chunk of zarr's default compressor took 37.8 ms alone, 8
+of them 51 ms and 152 of
 them 66 ms, while one host thread decodes such a chunk in 14.6 ms and 16 threads do
 about 900 a second. :func:`choose` compares two estimates for each batch and picks the
 faster one:
@@ -35,8 +36,8 @@ Python work), and never for chunks under 256 KiB (:data:`SPLIT_MIN_BYTES`).
 ``"on"`` (every batch sent to the GPU of two chunks or more, at least one chunk each
 side: for tests and measurements).
 
-Host rates: a format with a faster host decoder installed (libdeflate for zlib and
-gzip, :meth:`~xarray_gds.codecs.formats.base.Format.fast_decoder`) decodes at its
+Host rates: a format with a faster host decoder installed
+(:meth:`~xarray_gds.codecs.formats.base.Format.fast_decoder`) decodes at its
 ``host_fast`` rate, where :func:`costs` finds that decoder.
 """
 
@@ -211,7 +212,8 @@ def _split_mode() -> str:
 
 #: Chunks smaller than this are never split between the GPU and the host (unless
 #: forced): the default rates are measured at 4 MiB, and nvCOMP decodes small chunks
-#: several times faster than they say (LZ4: 53 GB/s at 256 KiB, 7 GB/s at 4 MiB).
+#: several times faster than they say (the fastest format: 53 GB/s at 256 KiB, 7 GB/s
+#: at 4 MiB).
 SPLIT_MIN_BYTES = 256 << 10
 
 

@@ -7,8 +7,8 @@ encodes a stack of chunks ``(n, *chunk_shape)`` at once: the stored byte layout
 (axis order, byte order) is made with array operations, every chunk is compressed
 to a raw stream (one nvCOMP batch call on the GPU; numcodecs or the standard library
 on the host, which CI uses to test the same framing), and the framing each codec
-expects is added around the raw streams (numcodecs' LZ4 size prefix, zlib's header
-and Adler-32 trailer; nvCOMP's zstd frames and gzip members are complete already).
+expects is added around the raw streams (a size prefix, a header and an Adler-32
+trailer: each format's ``write_framing``; some formats' raw streams are complete).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | ShardEncod
         The array's metadata.
     levels : {"host", "gpu"}
         nvCOMP's encoders have no compression levels. With ``"host"`` a codec whose
-        level (LZ4: acceleration) differs from the codec's default is encoded on the
+        level (or acceleration) differs from the codec's default is encoded on the
         host, so the level is honoured; with ``"gpu"`` it is encoded by nvCOMP anyway
         (the level is recorded in the metadata but not applied).
 

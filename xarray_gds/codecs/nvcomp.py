@@ -3,7 +3,7 @@
 The chunks of a batch lie in one device arena (:class:`~xarray_gds.batch.DeviceBatch`).
 Framing is handled here with host work on metadata only: the first bytes of every
 chunk are gathered in one kernel and copied to the host to check the stream headers
-(zstd magic and content size, numcodecs' LZ4 size prefix, zlib's header), then the
+(each format's magic bytes, declared sizes and framing), then the
 offsets and sizes (numpy vectors) are adjusted to point at the raw stream, and
 nvCOMP decodes every chunk of the batch into rows of one output buffer.
 """
@@ -316,12 +316,7 @@ def _strip_crc32c(
 
 
 def decode_frames(
-    fmt: Format,
-    batch: DeviceBatch,
-    offsets: np.ndarray,
-    sizes: np.ndarray,
-    nbytes: int,
-    keys: Sequence[str],
+    fmt: Format, batch: DeviceBatch, offsets: Any, sizes: Any, nbytes: int, keys: Sequence[str]
 ) -> Any:
     """Decode frames of the container format ``fmt`` (see
     :attr:`~xarray_gds.codecs.formats.base.Format.container`) at ``offsets`` of ``batch``

@@ -315,23 +315,15 @@ class Format:
         """Decode one stream with its framing on the host (numcodecs' view)."""
         return self.numcodecs_codec().decode(stream)
 
-    def decode_frames(
-        self,
-        arena: Any,
-        offsets: np.ndarray,
-        sizes: np.ndarray,
-        nbytes: int,
-        keys: Sequence[str],
-        *,
-        xp: Any,
-        gather: Callable[..., None],
-        decode: Callable[..., Any],
-    ) -> Any:
-        """Decode the frames at ``offsets`` of ``arena`` (a :attr:`container`) into a
-        ``(n, nbytes)`` ``xp`` array, with the device runtime's ``gather(src,
-        src_offsets, dst, dst_offsets, sizes)`` and ``decode(format, arena, starts,
-        lengths, decoded_sizes, keys) -> (buffer, offsets)`` (one batch call of raw
-        streams of ``format``)."""
+    def decode_frames(self, *frames: Any, **runtime: Any) -> Any:
+        """Decode the frames of a :attr:`container` on the device.
+
+        ``frames`` are ``(arena, offsets, sizes, nbytes, keys)``: the frames at
+        ``offsets`` (of ``sizes`` bytes) of ``arena``, each of ``nbytes`` decoded bytes,
+        and their chunk keys; ``runtime`` the device runtime's ``xp`` (the array module),
+        ``gather(src, src_offsets, dst, dst_offsets, sizes)`` and ``decode(format, arena,
+        starts, lengths, decoded_sizes, keys) -> (buffer, offsets)`` (one batch call of
+        raw streams of ``format``). Returns a ``(n, nbytes)`` ``xp`` array."""
         raise NotImplementedError(f"{self.name} chunks are not frames of other formats")
 
     # -- encoding ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ One numcodecs ``Blosc()`` decodes every frame on the host (frames say how they d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numcodecs
@@ -112,21 +112,10 @@ class Blosc(Format):
         parse_frames(chunks, keys, nbytes)
         return True  # every frame declares nbytes
 
-    def decode_frames(
-        self,
-        arena: Any,
-        offsets: np.ndarray,
-        sizes: np.ndarray,
-        nbytes: int,
-        keys: Sequence[str],
-        *,
-        xp: Any,
-        gather: Callable[..., None],
-        decode: Callable[..., Any],
-    ) -> Any:
-        return decode_device(
-            arena, offsets, sizes, nbytes, keys, xp=xp, gather=gather, decode=decode
-        )
+    def decode_frames(self, *frames: Any, **runtime: Any) -> Any:
+        """:func:`~xarray_gds.codecs.formats.blosc.decode.decode_device` (see
+        :meth:`Format.decode_frames <xarray_gds.codecs.formats.base.Format.decode_frames>`)."""
+        return decode_device(*frames, **runtime)
 
 
 def _cname(codec: Any) -> str:
