@@ -455,7 +455,7 @@ def _host_route(group: list[_Request]) -> bool:
         else:
             counts.append((r.chain, len(r.keys)))
     return all(
-        route.choose(c.compressor.name if c.compressor else None, n, c.nbytes) == "host"
+        route.choose(c.compressor.format if c.compressor else None, n, c.nbytes) == "host"
         for c, n in counts
     )
 
