@@ -370,6 +370,56 @@ MUTANTS: list[Mutant] = [
         "tests/test_writers.py",
         "tests/test_store_kinds.py",
     ),
+    # the lock file in the store's root, removed by its holder, kept by clearing
+    _m(
+        "lock:file-beside-the-store",
+        "stores/lock.py",
+        "return Path(os.path.realpath(root)) / LOCK_NAME",
+        'return Path(os.path.realpath(root) + ".xarray-gds.lock")',
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:file-left-after-release",
+        "stores/lock.py",
+        "os.unlink(self.path)  # while locked",
+        "pass  # while locked",
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:removed-file-kept-locked",
+        "stores/lock.py",
+        "            if not _same_file(fd, self.path):\n                os.close(fd)",
+        "            if False:\n                os.close(fd)",
+        "tests/test_writers.py::test_a_waiter_on_a_removed_lock_file_takes_the_new_one",
+    ),
+    _m(
+        "lock:cleared-with-the-store",
+        "stores/local.py",
+        "_local.remove_tree(os.fspath(root), keep=frozenset({LOCK_NAME}))",
+        "_local.remove_tree(os.fspath(root), keep=frozenset({'-'}))",
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:file-listed",
+        "stores/local.py",
+        "            if key != LOCK_NAME:\n                yield key\n\n    async def list_prefix",
+        "            if True:\n                yield key\n\n    async def list_prefix",
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:file-in-members",
+        "stores/local.py",
+        "if not (top and name == LOCK_NAME):",
+        "if True:",
+        "tests/test_writers.py",
+    ),
+    _m(
+        "lock:file-in-held-listings",
+        "deferred.py",
+        "seen = set() if base else set(self._write.source.private_keys)",
+        "seen = set()",
+        "tests/test_writers.py",
+    ),
     # stores/remote.py and stores/refs.py: the parts of the GPU paths that need no GPU
     Mutant(
         "remote:short-read-accepted",

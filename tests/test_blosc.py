@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numcodecs
 import numpy as np
@@ -15,14 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numcodecs import blosc as nc_blosc
 
-from xarray_gds.codecs import blosc as blosc_module
-from xarray_gds.codecs.blosc import (
+from xarray_gds.codecs.formats.blosc import (
+    BLOSC,
     BloscStreams,
     decode_host,
     parse_arena,
     parse_frames,
     unshuffle,
 )
+from xarray_gds.codecs.formats.blosc import frames as frames_module
+from xarray_gds.codecs.formats.blosc import shuffles as shuffle_module
 from xarray_gds.errors import ChunkDecodeError
 
 CNAMES = ("lz4", "lz4hc", "zstd", "zlib")
@@ -189,7 +192,7 @@ _MIXED = [
 def test_mixed_batch(monkeypatch: pytest.MonkeyPatch, pass_nbytes: int | None):
     """Frames of one batch with different compressors, shuffles, typesizes and blocks."""
     if pass_nbytes is not None:  # bit shuffle undone a frame or two at a time
-        monkeypatch.setattr(blosc_module, "_BIT_PASS_NBYTES", pass_nbytes)
+        monkeypatch.setattr(shuffle_module, "_BIT_PASS_NBYTES", pass_nbytes)
     nbytes = 96_000
     codecs = [
         *_MIXED,
@@ -225,7 +228,7 @@ def test_scalar_and_vectorized_walks_agree(monkeypatch: pytest.MonkeyPatch):
     keys = [f"w/{i}" for i in range(len(frames))]
     walks = []
     for limit in (0, 40, 10**9):  # all vectorized, mixed, all scalar
-        monkeypatch.setattr(blosc_module, "_SCALAR_MAX_STREAMS", limit)
+        monkeypatch.setattr(frames_module, "_SCALAR_MAX_STREAMS", limit)
         walks.append(parse_frames(frames, keys, nbytes))
     for other in walks[1:]:
         for name in ("chunk", "src", "csize", "dst", "dsize", "raw"):
@@ -315,7 +318,7 @@ def frame(
     """A compressed lz4 frame with split blocks and a short last block, its streams
     walked with plain Python or with numpy."""
     limit = 10**9 if request.param == "scalar" else 0
-    monkeypatch.setattr(blosc_module, "_SCALAR_MAX_STREAMS", limit)
+    monkeypatch.setattr(frames_module, "_SCALAR_MAX_STREAMS", limit)
     data = _data("smooth", 300_001)
     frame = _encode(numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, typesize=4), data)
     assert not frame[2] & 0x12 and frame.view(np.uint8)[3] == 4  # compressed, split
@@ -805,7 +808,7 @@ def _decode_on(device: str, frames: list[np.ndarray], keys: list[str], nbytes: i
     from xarray_gds.codecs import nvcomp
 
     batch = nvcomp.pack([cp.asarray(f) for f in frames])
-    got = nvcomp.decode_blosc(batch, batch.offsets, batch.sizes, nbytes, keys)
+    got = nvcomp.decode_frames(BLOSC, batch, batch.offsets, batch.sizes, nbytes, keys)
     assert isinstance(got, cp.ndarray)
     return cp.asnumpy(got)
 
@@ -850,3 +853,45 @@ def test_damaged_frames_raise_on_every_device(device: str, damage: str) -> None:
     good = [frames[0], frames[2]]
     got = _decode_on(device, good, ["v/c/0", "v/c/2"], nbytes)
     assert got.tobytes() == _reference(numcodecs.Blosc(), good).tobytes()
+
+
+def _host_stream_decode(
+    fmt: Any,
+    arena: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    decoded_sizes: np.ndarray,
+    keys: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The device runtime's batch decode of raw streams, on the host: each stream by its
+    format's raw decoder, end to end in one buffer."""
+    parts = [
+        np.frombuffer(fmt.decode_raw(arena[s : s + n], int(d)), dtype=np.uint8)
+        for s, n, d in zip(starts.tolist(), lengths.tolist(), decoded_sizes.tolist(), strict=True)
+    ]
+    assert [p.size for p in parts] == decoded_sizes.tolist(), list(keys)
+    at = np.cumsum(decoded_sizes) - decoded_sizes
+    return np.concatenate([np.zeros(0, np.uint8), *parts]), at.astype(np.int64)
+
+
+def test_device_decode_of_an_arena_with_numpy() -> None:
+    """The device route's decode of frames in an arena (``decode_frames``: tables to the
+    host, raw streams gathered, one batch call an inner format, the shuffles undone),
+    run with numpy and a host stand-in for the batch call, gives the frames' bytes."""
+    from xarray_gds.codecs.formats.blosc.encode import gather_host
+
+    nbytes = 96_000
+    codecs = [*_MIXED, numcodecs.Blosc("zstd", 3, numcodecs.Blosc.BITSHUFFLE, typesize=8)]
+    data = [_data("smooth", nbytes, i) for i in range(len(codecs))]
+    data[1] = _data("random", nbytes, 1)  # raw streams too
+    frames = [_encode(c, d) for c, d in zip(codecs, data, strict=True)]
+    arena, offsets, sizes, _ = _lay_out(frames)
+    keys = [f"d/{i}" for i in range(len(frames))]
+    got = BLOSC.decode_frames(
+        arena, offsets, sizes, nbytes, keys, xp=np, gather=gather_host, decode=_host_stream_decode
+    )
+    np.testing.assert_array_equal(got, np.stack(data))
+    empty = BLOSC.decode_frames(
+        arena, offsets[:0], sizes[:0], nbytes, [], xp=np, gather=gather_host, decode=None
+    )
+    assert empty.shape == (0, nbytes)

@@ -1,4 +1,4 @@
-"""Blosc1 frames made by the batched encoder (xarray_gds.codecs.blosc_encode), decoded
+"""Blosc1 frames made by the batched encoder (xarray_gds.codecs.formats.blosc.encode), decoded
 by c-blosc (numcodecs, zarr-python) and by the project's own decoders."""
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xarray_gds
-from xarray_gds.codecs import blosc
 from xarray_gds.codecs import encode as enc
-from xarray_gds.codecs.blosc_encode import (
+from xarray_gds.codecs.formats import BLOSC, blosc
+from xarray_gds.codecs.formats.blosc import BloscEncode, shuffle
+from xarray_gds.codecs.formats.blosc.encode import (
     DEFAULT_BLOCKSIZE,
-    BloscEncode,
     encode_frames,
     frame_layout,
-    shuffle,
 )
-from xarray_gds.codecs.formats import BLOSC
 
 CNAMES = ["lz4", "lz4hc", "zstd", "zlib"]
 
@@ -225,7 +223,7 @@ def test_nvcomp_frames_decode_with_numcodecs_and_on_the_gpu(
     cname: str, mode: int, typesize: int
 ) -> None:
     """Frames whose blocks nvCOMP compressed (one batch) decode bit-exactly by c-blosc
-    and by the project's GPU decoder (nvcomp.decode_blosc)."""
+    and by the project's GPU decoder (nvcomp.decode_frames)."""
     cp = pytest.importorskip("cupy")
     from xarray_gds.batch import DeviceBatch, pack_offsets
     from xarray_gds.codecs import nvcomp
@@ -243,7 +241,7 @@ def test_nvcomp_frames_decode_with_numcodecs_and_on_the_gpu(
         arena[o : o + f.size] = f
     batch = DeviceBatch(cp.asarray(arena), offsets, sizes)
     keys = [f"v/{i}" for i in range(len(frames))]
-    decoded = nvcomp.decode_blosc(batch, offsets, sizes, nbytes, keys)
+    decoded = nvcomp.decode_frames(BLOSC, batch, offsets, sizes, nbytes, keys)
     np.testing.assert_array_equal(cp.asnumpy(decoded), rows)
 
 

@@ -21,6 +21,7 @@ import xarray_gds
 from tests.conftest import assert_placed, to_numpy
 from xarray_gds import coalesce, config, fuse, route
 from xarray_gds.batch import PinnedStaging
+from xarray_gds.codecs.formats import get
 from xarray_gds.errors import ChunkDecodeError
 
 #: joined dask groups need dask's task-spec graphs (absent from the oldest dask claimed)
@@ -557,29 +558,29 @@ def test_route_small_batches_go_to_the_host() -> None:
 
 
 def _small_batches_go_to_the_host() -> None:
-    assert route.choose("zstd", 1, 4 << 20) == "host"
-    assert route.choose("zstd", 16, 4 << 20) == "host"
-    assert route.choose("zstd", 480, 4 << 20) == "gpu"
+    assert route.choose(get("zstd"), 1, 4 << 20) == "host"
+    assert route.choose(get("zstd"), 16, 4 << 20) == "host"
+    assert route.choose(get("zstd"), 480, 4 << 20) == "gpu"
     assert route.choose(None, 1, 4 << 20) == "gpu"  # nothing to decode
-    gpu, host = route.estimate("zstd", 480, 4 << 20)
+    gpu, host = route.estimate(get("zstd"), 480, 4 << 20)
     assert gpu < host
 
 
 def test_route_forced_and_constants_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
     with zarr.config.set({"xarray_gds.route": "gpu"}):
-        assert route.choose("zstd", 1, 4 << 20) == "gpu"
+        assert route.choose(get("zstd"), 1, 4 << 20) == "gpu"
     monkeypatch.setenv("XARRAY_GDS_ROUTE", "host")
-    assert route.choose("zstd", 10_000, 4 << 20) == "host"
+    assert route.choose(get("zstd"), 10_000, 4 << 20) == "host"
     with zarr.config.set({"xarray_gds.route": "gpu"}):  # the config key wins
-        assert route.choose("zstd", 10_000, 4 << 20) == "gpu"
+        assert route.choose(get("zstd"), 10_000, 4 << 20) == "gpu"
     with zarr.config.set({"xarray_gds.route": "auto"}):  # the default: the variable wins
-        assert route.choose("zstd", 10_000, 4 << 20) == "host"
+        assert route.choose(get("zstd"), 10_000, 4 << 20) == "host"
     monkeypatch.delenv("XARRAY_GDS_ROUTE")
     fast_host = {"rates": {"zstd": {"host_thread": 1e15}}, "h2d": 1e15}
     with zarr.config.set({"xarray_gds.route_constants": fast_host}):
-        assert route.choose("zstd", 10_000, 4 << 20) == "host"
+        assert route.choose(get("zstd"), 10_000, 4 << 20) == "host"
     monkeypatch.setenv("XARRAY_GDS_ROUTE_CONSTANTS", json.dumps({"gpu_call": 10.0}))
-    assert route.choose("zstd", 100, 4 << 20) == "host"
+    assert route.choose(get("zstd"), 100, 4 << 20) == "host"
     assert json.loads(route.costs().to_json())["gpu_call"] == 10.0
 
 
@@ -590,7 +591,7 @@ def test_route_bad_settings_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> N
             ValueError, match=r"'xarray_gds.route'.* one of 'auto', 'gpu', 'host', not 'fastest'"
         ),
     ):
-        route.choose("zstd", 1, 100)
+        route.choose(get("zstd"), 1, 100)
     monkeypatch.setenv("XARRAY_GDS_ROUTE_CONSTANTS", "{not json")
     with pytest.raises(ValueError, match=r"not valid JSON.*calibrate"):
         route.costs()

@@ -19,8 +19,8 @@ import xarray as xr
 import zarr
 import zarr.codecs as zc
 
-from xarray_gds.codecs import blosc, host
-from xarray_gds.codecs.formats import GZIP, ZLIB, Compressor
+from xarray_gds.codecs import host
+from xarray_gds.codecs.formats import GZIP, ZLIB, Compressor, blosc
 from xarray_gds.codecs.formats.deflate import libdeflate
 from xarray_gds.errors import ChunkDecodeError
 

@@ -145,4 +145,4 @@ def test_formats_are_singletons() -> None:
 def test_route_defaults_are_the_formats_rates() -> None:
     rates = dict(route.Costs().rates)
     assert rates == {f.name: f.rates for f in FORMATS.values() if f.rates is not None}
-    assert route.Costs().rate(ZSTD) == route.Costs().rate("zstd") == ZSTD.rates
+    assert route.Costs().rate(ZSTD) == ZSTD.rates

@@ -23,6 +23,7 @@ import zarr
 from xarray_gds import coalesce, decode, fuse, route, stores
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, plan_chain
+from xarray_gds.codecs.formats import get
 from xarray_gds.stores import refs, remote
 from xarray_gds.stores.local import GdsStore
 
@@ -47,7 +48,7 @@ def test_route_host_estimate_exact(n_chunks: int, rounds: int) -> None:
     """The host decodes ``threads`` chunks at a time: ``ceil(n / threads)`` rounds (5
     chunks on 4 threads take two), then the last chunk's copy to the device."""
     with zarr.config.set({"xarray_gds.route_constants": EXACT}):
-        gpu, host = route.estimate("zstd", n_chunks, 1 << 20)
+        gpu, host = route.estimate(get("zstd"), n_chunks, 1 << 20)
     assert gpu == 0.25 + 1.0 + n_chunks / 4
     assert host == 0.5 + rounds * 1.0 + 2.0**-20
 
@@ -92,7 +93,7 @@ def test_host_route_sums_chunks_per_chain() -> None:
     zstd, gzip, other_zstd = _chain("zstd"), _chain("gzip"), _chain("zstd")
     assert other_zstd == zstd  # chains of different arrays compare equal
     with zarr.config.set({"xarray_gds.route_constants": ROUTE}):
-        assert [route.choose("zstd", n, 1 << 20) for n in (1, 4, 5)] == ["host", "host", "gpu"]
+        assert [route.choose(get("zstd"), n, 1 << 20) for n in (1, 4, 5)] == ["host", "host", "gpu"]
         assert coalesce._host_route(_requests((zstd, 4)))
         assert not coalesce._host_route(_requests((zstd, 5)))
         # the chunks of the requests of one chain are counted together: 3 + 3 = 6

@@ -23,7 +23,7 @@ from tests.test_host_logic import _all_chunks, _fake_cupy, _Staging
 from xarray_gds import batch, config, decode, route
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, nvcomp
-from xarray_gds.codecs.formats import ZLIB
+from xarray_gds.codecs.formats import ZLIB, get
 from xarray_gds.errors import ChunkDecodeError
 
 FORMATS = ("zstd", "lz4", "zlib", "gzip", "blosc")
@@ -41,13 +41,13 @@ def _costs(threads: int, h2d: float = 6e9, **rates: float) -> route.Costs:
 def _alone(fmt: str, n: int, nbytes: int, c: route.Costs) -> tuple[float, float]:
     """(gpu, host) seconds of the whole batch on each route, as choose() sees them."""
     with zarr.config.set({"xarray_gds.route_constants": json.loads(c.to_json())}):
-        return route.estimate(fmt, n, nbytes)
+        return route.estimate(get(fmt), n, nbytes)
 
 
 def _best_share(fmt: str, n: int, nbytes: int, c: route.Costs) -> tuple[float, int]:
     """Brute force: the least ``max(host(k), gpu(n - k))`` over 1 <= k < n, and the
     smallest k that gives it."""
-    rate = c.rate(fmt)
+    rate = c.rate(get(fmt))
     assert rate is not None
     best = (np.inf, -1)
     for k in range(1, n):
@@ -68,15 +68,15 @@ def test_split_invariants_over_every_shape(threads: int, h2d: float) -> None:
     rules = {}
     with zarr.config.set({"xarray_gds.route_constants": json.loads(c.to_json())}):
         for fmt, nbytes, n in itertools.product(FORMATS, SIZES, COUNTS):
-            rules[fmt, nbytes, n] = route.choose(fmt, n, nbytes)
+            rules[fmt, nbytes, n] = route.choose(get(fmt), n, nbytes)
     for fmt, nbytes, n in itertools.product(FORMATS, SIZES, COUNTS):
-        s = route.split(fmt, n, nbytes, c)
+        s = route.split(get(fmt), n, nbytes, c)
         assert s.host + s.gpu == n and 0 <= s.host <= n
         assert s.threads == min(s.host, threads) <= threads
         assert (s.host == n) == (rules[fmt, nbytes, n] == "host"), (fmt, nbytes, n)
         assert (s.host_s == 0.0) == (s.host == 0) and (s.gpu_s == 0.0) == (s.gpu == 0)
         if 0 < s.host < n:
-            gpu_alone = route.split(fmt, n, nbytes, replace(c, split_gain=1.0))
+            gpu_alone = route.split(get(fmt), n, nbytes, replace(c, split_gain=1.0))
             assert gpu_alone.host == 0
             assert s.seconds <= (1 - c.split_gain) * gpu_alone.seconds
 
@@ -88,8 +88,8 @@ def test_split_is_the_best_balance() -> None:
     for threads, h2d in [(16, 6e9), (32, 25e9), (2, 6e9)]:
         c = _costs(threads, h2d)
         for fmt, nbytes, n in itertools.product(FORMATS, (256 << 10, 4 << 20), range(2, 40)):
-            s = route.split(fmt, n, nbytes, c)
-            forced = route.split(fmt, n, nbytes, c, force=True)
+            s = route.split(get(fmt), n, nbytes, c)
+            forced = route.split(get(fmt), n, nbytes, c, force=True)
             best, k = _best_share(fmt, n, nbytes, c)
             assert (forced.host, forced.seconds) == (k, pytest.approx(best, rel=1e-12))
             gpu_alone = _alone(fmt, n, nbytes, c)[0]
@@ -113,23 +113,23 @@ def test_split_exact() -> None:
         threads=4,
         rates=(("zstd", rates),),
     )
-    s = route.split("zstd", 20, 1 << 20, c)
+    s = route.split(get("zstd"), 20, 1 << 20, c)
     assert s == route.Split(host=8, gpu=12, threads=4, host_s=8.5 + 2.0**-20, gpu_s=10.25)
     assert s.seconds == 10.25
     # a gain of 28% is taken with split_gain up to that, not above
-    assert route.split("zstd", 20, 1 << 20, replace(c, split_gain=0.28)).host == 8
-    assert route.split("zstd", 20, 1 << 20, replace(c, split_gain=0.29)).host == 0
+    assert route.split(get("zstd"), 20, 1 << 20, replace(c, split_gain=0.28)).host == 8
+    assert route.split(get("zstd"), 20, 1 << 20, replace(c, split_gain=0.29)).host == 0
     # 12 chunks: the host takes 4 (4.5 s), the GPU 8 (8.25 s, against 10.25 s alone)
-    s = route.split("zstd", 12, 1 << 20, c)
+    s = route.split(get("zstd"), 12, 1 << 20, c)
     assert (s.host, s.seconds) == (4, 8.25)
     # one chunk cannot be split, even forced: the faster route takes it (the host's
     # 4.5 s against the GPU's 4.75 s)
-    assert route.split("zstd", 1, 1 << 20, c, force=True).host == 1
-    assert route.split("zstd", 1, 1 << 20, c).host == 1
+    assert route.split(get("zstd"), 1, 1 << 20, c, force=True).host == 1
+    assert route.split(get("zstd"), 1, 1 << 20, c).host == 1
     # forced, a split whatever the gain; the host route's batch of 2 too
-    assert route.split("zstd", 20, 1 << 20, replace(c, split_gain=0.9), force=True).host == 8
-    assert route.split("zstd", 2, 1 << 20, c).host == 2
-    assert route.split("zstd", 2, 1 << 20, c, force=True).host == 1
+    assert route.split(get("zstd"), 20, 1 << 20, replace(c, split_gain=0.9), force=True).host == 8
+    assert route.split(get("zstd"), 2, 1 << 20, c).host == 2
+    assert route.split(get("zstd"), 2, 1 << 20, c, force=True).host == 1
 
 
 def test_many_small_chunks_are_never_split(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,7 +140,7 @@ def test_many_small_chunks_are_never_split(monkeypatch: pytest.MonkeyPatch) -> N
         (16, 32, 64), (6e9, 25e9), FORMATS, (4 << 10, 64 << 10), (256, 1024, 4096, 16384)
     ):
         c = _costs(threads, h2d)
-        s = route.split(fmt, n, nbytes, c)
+        s = route.split(get(fmt), n, nbytes, c)
         assert s.host in (0, n), (fmt, n)
         if fmt == "zstd":
             assert s.host == 0
@@ -151,21 +151,21 @@ def test_many_small_chunks_are_never_split(monkeypatch: pytest.MonkeyPatch) -> N
     for threads, h2d, fmt, nbytes, n in itertools.product(
         (16, 32, 64), (6e9, 25e9), FORMATS, (4 << 10, 64 << 10), (256, 1024, 4096, 16384)
     ):
-        s = route.split(fmt, n, nbytes, _costs(threads, h2d))
+        s = route.split(get(fmt), n, nbytes, _costs(threads, h2d))
         assert s.host in (0, n) or fmt == "lz4", (fmt, n)
 
 
 def test_without_a_gpu_or_rates() -> None:
     c = _costs(8)
     for fmt, n in itertools.product(FORMATS, (1, 5, 100, 5000)):
-        s = route.split(fmt, n, 4 << 20, c, gpu=False)
+        s = route.split(get(fmt), n, 4 << 20, c, gpu=False)
         assert (s.host, s.gpu, s.threads) == (n, 0, min(n, 8))
     # uncompressed chunks and formats without rates: the GPU, or the host without one
     assert route.split(None, 7, 1 << 20, c) == route.Split(0, 7, 0, 0.0, 0.0)
-    assert route.split("crc32c", 7, 1 << 20, c, gpu=False).host == 7
-    assert route.split("zstd", 0, 1 << 20, c).host == 0
+    assert route.split(get("crc32c"), 7, 1 << 20, c, gpu=False).host == 7
+    assert route.split(get("zstd"), 0, 1 << 20, c).host == 0
     with pytest.raises(ValueError, match=r"costs\.threads"):
-        route.split("zstd", 4, 1 << 20, route.Costs())
+        route.split(get("zstd"), 4, 1 << 20, route.Costs())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -176,14 +176,14 @@ def test_share_grows_with_the_host_and_shrinks_with_the_gpu(fmt: str) -> None:
     factors = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
     for threads, nbytes, n in itertools.product((4, 16), (256 << 10, 4 << 20), (2, 8, 33, 200)):
         by_host = [
-            route.split(fmt, n, nbytes, _costs(threads, host_thread=base.host_thread * f)).host
+            route.split(get(fmt), n, nbytes, _costs(threads, host_thread=base.host_thread * f)).host
             for f in factors
         ]
         assert by_host == sorted(by_host), (threads, nbytes, n, by_host)
         for field in ("gpu_chunk", "gpu_batch"):
             by_gpu = [
                 route.split(
-                    fmt, n, nbytes, _costs(threads, **{field: getattr(base, field) * f})
+                    get(fmt), n, nbytes, _costs(threads, **{field: getattr(base, field) * f})
                 ).host
                 for f in factors
             ]
@@ -196,42 +196,44 @@ def test_host_fast_rate_only_where_its_decoder_is_installed(
     from xarray_gds.codecs.formats.deflate import libdeflate
 
     pytest.importorskip("deflate", reason="libdeflate (the fast-host extra) is not installed")
-    assert route.Costs().rate("zlib").host_fast is not None  # type: ignore[union-attr]
+    assert route.Costs().rate(get("zlib")).host_fast is not None  # type: ignore[union-attr]
     libdeflate.cache_clear()
     try:
-        assert route.costs().rate("zlib").host_fast is not None  # type: ignore[union-attr]
+        assert route.costs().rate(get("zlib")).host_fast is not None  # type: ignore[union-attr]
         monkeypatch.setitem(__import__("sys").modules, "deflate", None)
         libdeflate.cache_clear()
-        assert route.costs().rate("zlib").host_fast is None  # type: ignore[union-attr]
-        assert route.costs().rate("gzip").host_fast is None  # type: ignore[union-attr]
+        assert route.costs().rate(get("zlib")).host_fast is None  # type: ignore[union-attr]
+        assert route.costs().rate(get("gzip")).host_fast is None  # type: ignore[union-attr]
     finally:
         monkeypatch.undo()
         libdeflate.cache_clear()
     # a measured host_thread (calibrate's, without libdeflate) replaces the default fast
     # rate, unless host_fast is given too
     with zarr.config.set({"xarray_gds.route_constants": {"rates": {"zlib": {"host_thread": 1e8}}}}):
-        assert route.costs().rate("zlib") == replace(ZLIB.rates, host_thread=1e8, host_fast=None)  # type: ignore[type-var]
+        assert route.costs().rate(get("zlib")) == replace(
+            ZLIB.rates, host_thread=1e8, host_fast=None
+        )  # type: ignore[type-var]
     both = {"rates": {"zlib": {"host_thread": 1e8, "host_fast": 3e8}}}
     with zarr.config.set({"xarray_gds.route_constants": both}):
-        assert route.costs().rate("zlib").host_fast == 3e8  # type: ignore[union-attr]
+        assert route.costs().rate(get("zlib")).host_fast == 3e8  # type: ignore[union-attr]
     # the host estimate takes host_fast where given
     c = {"threads": 1, "host_call": 0.0, "host_chunk": 0.0, "h2d": 1e30}
     slow = {"rates": {"zlib": {"host_thread": 1e6, "host_fast": 4e6}}}
     with zarr.config.set({"xarray_gds.route_constants": {**c, **slow}}):
-        assert route.estimate("zlib", 1, 1 << 20)[1] == pytest.approx((1 << 20) / 4e6)
+        assert route.estimate(get("zlib"), 1, 1 << 20)[1] == pytest.approx((1 << 20) / 4e6)
 
 
 def test_plan_follows_the_settings() -> None:
     """``plan`` is ``split`` with the settings: off, route gpu (unless on), route host,
     on (at least one chunk each side)."""
-    few = ("zstd", 2, 4 << 20)  # the host route's by the model
-    many = ("zstd", 4096, 4 << 20)
+    few = (get("zstd"), 2, 4 << 20)  # the host route's by the model
+    many = (get("zstd"), 4096, 4 << 20)
     assert route.plan(*few).host == 0  # off by default, until measured on a GPU
     with zarr.config.set({"xarray_gds.split": "auto"}):
         assert route.plan(*few).host == 2
     with zarr.config.set({"xarray_gds.split": "on"}):
         assert route.plan(*few).host == 1 and route.choose(*few) == "gpu"
-        assert route.plan("zstd", 1, 4 << 20).host in (0, 1)
+        assert route.plan(get("zstd"), 1, 4 << 20).host in (0, 1)
         assert 1 <= route.plan(*many).host < 4096
         with zarr.config.set({"xarray_gds.route": "gpu"}):
             assert route.plan(*few).host == 1  # on wins over a forced GPU route

@@ -203,10 +203,7 @@ def decode_staged(
             decode_host(chain, [fetched[i] for i in present], names, out, copy)
         finally:  # the buffer goes back to the pool: no copy may still read it
             stream.synchronize()
-    data = rows
-    for f in chain.filters:
-        data = f.apply(data, cp)
-    return present, chain.finish(data, cp)
+    return _finished(chain, present, rows, cp)
 
 
 def decode_split(
@@ -253,19 +250,13 @@ def decode_split(
         wait = start(one, host, threads)
         try:
             if m:
-                from xarray_gds.codecs import nvcomp
-
-                with _described(chain):
-                    rows[:m] = nvcomp.decode(chain, fetched, present[:m], Picked(names, range(m)))
+                rows[:m] = _on_device(chain, fetched, present[:m], Picked(names, range(m)))
         finally:  # every host chunk decoded (or failed) and copied before the lease ends
             try:
                 wait()
             finally:
                 stream.synchronize()
-    data = rows
-    for f in chain.filters:
-        data = f.apply(data, cp)
-    return present, chain.finish(data, cp)
+    return _finished(chain, present, rows, cp)
 
 
 def decode_fetched(
@@ -284,12 +275,23 @@ def decode_fetched(
         return present, None
     names = _names(keys, present)
     if on_device:
-        from xarray_gds.codecs import nvcomp
-
-        with _described(chain):
-            data = nvcomp.decode(chain, fetched, present, names)
+        data = _on_device(chain, fetched, present, names)
     else:
         data = decode_host(chain, [fetched[i] for i in present], names)
+    return _finished(chain, present, data, xp)
+
+
+def _on_device(chain: DecodeChain, fetched: DeviceBatch, idx: list[int], names: Any) -> Any:
+    """nvCOMP's decode of the chunks ``idx`` of ``fetched``, errors described."""
+    from xarray_gds.codecs import nvcomp
+
+    with _described(chain):
+        return nvcomp.decode(chain, fetched, idx, names)
+
+
+def _finished(chain: DecodeChain, present: list[int], data: Any, xp: Any) -> Decoded:
+    """``(present, chunks)``: the decoded rows ``data`` through the chain's filters and
+    into the chunks' layout."""
     for f in chain.filters:
         data = f.apply(data, xp)
     return present, chain.finish(data, xp)

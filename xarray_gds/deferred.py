@@ -393,13 +393,13 @@ class HeldMetadataStore(WrapperStore[Store]):
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
         self._forget(prefix.rstrip("/"))
-        await self._store.delete_dir(prefix)
+        await self._write.source.delete_dir(prefix)  # the writer lock file kept
 
     async def clear(self) -> None:
         self._check_writable()
         with self._write.cond:
             self._write.keys.clear()
-        await self._store.clear()
+        await self._write.source.clear()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -463,21 +463,24 @@ class HeldMetadataStore(WrapperStore[Store]):
             yield key
 
     async def _and_held(self, stored: AsyncIterator[str], prefix: str) -> AsyncIterator[str]:
-        """The keys of ``stored``, then the held keys below ``prefix`` not among them."""
-        seen = set()
+        """The keys of ``stored`` (the write side's own left out), then the held keys
+        below ``prefix`` not among them."""
+        seen = set(self._write.source.private_keys)
         async for key in stored:
-            seen.add(key)
-            yield key
+            if key not in seen:
+                seen.add(key)
+                yield key
         for key in self._held_below(prefix):
             if key not in seen:
                 yield key
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
         base = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        seen = set()
+        seen = set() if base else set(self._write.source.private_keys)
         async for name in self._store.list_dir(prefix):
-            seen.add(name)
-            yield name
+            if name not in seen:
+                seen.add(name)
+                yield name
         for key in self._held_below(prefix):
             name = key[len(base) :].split("/", 1)[0]
             if name not in seen:

@@ -1,7 +1,8 @@
 """Where a batch of GPU-bound chunks decodes: nvCOMP on the GPU, or the host pool.
 
 nvCOMP spreads a batch over its chunks, so a batch of few chunks uses a small part of
-the GPU: on an H200 one 4 MB zstd chunk took 37.8 ms alone, 8 of them 51 ms and 152 of
+the GPU: on an H200 one 4 MB chunk of zarr's default compressor took 37.8 ms alone, 8
+of them 51 ms and 152 of
 them 66 ms, while one host thread decodes such a chunk in 14.6 ms and 16 threads do
 about 900 a second. :func:`choose` compares two estimates for each batch and picks the
 faster one:
@@ -35,8 +36,8 @@ Python work), and never for chunks under 256 KiB (:data:`SPLIT_MIN_BYTES`).
 ``"on"`` (every batch sent to the GPU of two chunks or more, at least one chunk each
 side: for tests and measurements).
 
-Host rates: a format with a faster host decoder installed (libdeflate for zlib and
-gzip, :meth:`~xarray_gds.codecs.formats.base.Format.fast_decoder`) decodes at its
+Host rates: a format with a faster host decoder installed
+(:meth:`~xarray_gds.codecs.formats.base.Format.fast_decoder`) decodes at its
 ``host_fast`` rate, where :func:`costs` finds that decoder.
 """
 
@@ -72,9 +73,9 @@ class Costs:
     #: by format name; the defaults are each format's own (:attr:`Format.rates`)
     rates: tuple[tuple[str, Rates], ...] = _DEFAULT_RATES
 
-    def rate(self, compressor: Format | str) -> Rates | None:
-        """The rates of a format (or of the format of that name), if known."""
-        return dict(self.rates).get(_name(compressor))
+    def rate(self, compressor: Format) -> Rates | None:
+        """The rates of a format, if known."""
+        return dict(self.rates).get(compressor.name)
 
     def to_json(self) -> str:
         """The constants as ``xarray_gds.route_constants`` takes them."""
@@ -139,19 +140,15 @@ def _installed(c: Costs) -> Costs:
     return replace(c, rates=tuple(rates))
 
 
-def _name(compressor: Format | str) -> str:
-    return compressor if isinstance(compressor, str) else compressor.name
-
-
 def estimate(
-    compressor: Format | str | None,
+    compressor: Format | None,
     n_chunks: int,
     chunk_nbytes: int,
     constants: Costs | None = None,
 ) -> tuple[float, float]:
     """Seconds ``(gpu, host)`` to decode ``n_chunks`` chunks of ``chunk_nbytes`` decoded
-    bytes compressed with ``compressor`` (a format, or a format's name; ``inf`` where a
-    route has no rate), by ``constants`` (default: :func:`costs`)."""
+    bytes compressed with ``compressor`` (``inf`` where a route has no rate), by
+    ``constants`` (default: :func:`costs`)."""
     c = costs() if constants is None else constants
     rate = c.rate(compressor) if compressor else None
     if rate is None or n_chunks <= 0:
@@ -179,7 +176,7 @@ def _times(
     return gpu, host
 
 
-def choose(compressor: Format | str | None, n_chunks: int, chunk_nbytes: int) -> str:
+def choose(compressor: Format | None, n_chunks: int, chunk_nbytes: int) -> str:
     """``"gpu"`` or ``"host"``: where a GPU-bound batch of ``n_chunks`` chunks decodes.
 
     Uncompressed chunks (``compressor`` None) and compressors without rates always take
@@ -211,7 +208,8 @@ def _split_mode() -> str:
 
 #: Chunks smaller than this are never split between the GPU and the host (unless
 #: forced): the default rates are measured at 4 MiB, and nvCOMP decodes small chunks
-#: several times faster than they say (LZ4: 53 GB/s at 256 KiB, 7 GB/s at 4 MiB).
+#: several times faster than they say (the fastest format: 53 GB/s at 256 KiB, 7 GB/s
+#: at 4 MiB).
 SPLIT_MIN_BYTES = 256 << 10
 
 
@@ -234,7 +232,7 @@ class Split:
 
 
 def split(
-    compressor: Format | str | None,
+    compressor: Format | None,
     n_chunks: int,
     chunk_nbytes: int,
     costs: Costs,
@@ -246,9 +244,9 @@ def split(
 
     Parameters
     ----------
-    compressor : Format, str or None
-        The chunks' format (or its name); None (uncompressed) and formats without
-        rates go to the GPU whole.
+    compressor : Format or None
+        The chunks' format; None (uncompressed) and formats without rates go to the
+        GPU whole.
     n_chunks, chunk_nbytes : int
         The batch.
     costs : Costs
@@ -302,7 +300,7 @@ def split(
     return whole_gpu
 
 
-def plan(compressor: Format | str | None, n_chunks: int, chunk_nbytes: int) -> Split:
+def plan(compressor: Format | None, n_chunks: int, chunk_nbytes: int) -> Split:
     """:func:`split` of a batch read onto the device, by the settings: with ``costs()``
     and the host pool's size; ``xarray_gds.split`` ``"off"``, or ``xarray_gds.route``
     ``"gpu"`` unless ``xarray_gds.split`` is ``"on"``, keep the batch on nvCOMP."""

@@ -23,8 +23,9 @@ killed with ``SIGKILL`` (out of memory, a pre-empted node) cleans nothing, and c
   user knows which, so these two kinds are put back or removed only when asked
   (``trust_consolidated=True``, ``--trust-consolidated``); otherwise they are listed
   and kept;
-- the writer lock file ``.<name>.xarray-gds.lock`` beside the store: kept on purpose
-  (its lock is released when the process dies; see :mod:`xarray_gds.stores.lock`).
+- the writer lock file ``.xarray-gds.lock`` in the store's root (its lock died with
+  the process): not listed (no chunk, node or document), it goes when the next write
+  or :func:`tidy` gives the lock back (see :mod:`xarray_gds.stores.lock`).
 
 Chunks inside the metadata's shape are the write's only visible trace: a step whose
 chunks were written but whose metadata was not is invisible; a region write (which
@@ -164,6 +165,14 @@ def _walk(root: Path) -> tuple[list[str], dict[str, list[str]]]:
     return files, by_dir
 
 
+def _store_dir(store: str | os.PathLike[str]) -> Path:
+    """``store``, checked to be a directory."""
+    root = Path(store)
+    if not root.is_dir():
+        raise FileNotFoundError(f"xarray-gds tidy: {root} is not a directory (a local store)")
+    return root
+
+
 def find_leftovers(
     root: str | os.PathLike[str], *, trust_consolidated: bool = False
 ) -> list[Leftover]:
@@ -171,9 +180,7 @@ def find_leftovers(
     ``trust_consolidated`` (kinds in :data:`TRUSTING`) included. Chunks lie outside
     their array's shape as the consolidated metadata gives it when it is trusted, as
     the array's own document gives it otherwise."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"xarray-gds tidy: {root} is not a directory (a local store)")
+    root = _store_dir(root)
     files, by_dir = _walk(root)
     found: list[Leftover] = []
     found += [
@@ -279,7 +286,7 @@ def tidy(
     from xarray_gds.stores import source_for
     from xarray_gds.stores.local import GdsStore
 
-    root = Path(store)
+    root = _store_dir(store)  # before the lock, which would make it
     kind = source_for(GdsStore(root, read_only=True))
     lock = kind.writer_lock(lock_timeout) if not dry_run else None
     try:

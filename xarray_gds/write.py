@@ -122,7 +122,7 @@ def to_zarr(
         nothing, if it is never committed).
     levels : {"host", "gpu"}
         nvCOMP's encoders have no compression levels. ``"host"`` (default): arrays
-        whose codec sets a level (LZ4: acceleration) other than the codec's default
+        whose codec sets a level (or acceleration) other than the codec's default
         are encoded on the host by zarr-python, so the level is applied. ``"gpu"``:
         they are encoded by nvCOMP too, at its own level (the metadata keeps theirs).
     lock_timeout : float or None
@@ -144,10 +144,11 @@ def to_zarr(
 
     Notes
     -----
-    Device values of arrays whose codecs have no GPU encoder (Blosc, filters,
-    crc32c on the chunks, zstd with ``checksum=True``, a non-default level with
-    ``levels="host"``) are copied to the host and encoded by zarr-python, with one
-    ``RuntimeWarning`` per array that names the codecs and the reason.
+    Device values of arrays whose codecs have no GPU encoder (a compressor or option
+    the batched encoder does not write, filters, a checksum on the chunks, a
+    non-default level with ``levels="host"``; the Writing page lists them) are copied
+    to the host and encoded by zarr-python, with one ``RuntimeWarning`` per array that
+    names the codecs and the reason.
     """
     if levels not in _LEVELS:
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")

@@ -33,8 +33,8 @@ __all__ = [
     "plan_chain",
 ]
 
-#: Names of the compression formats with a batched decoder on the host and (Blosc: for
-#: its lz4, lz4hc, zstd and zlib streams) on the device.
+#: Names of the compression formats with a batched decoder on the host and (a container
+#: format: for its inner streams nvCOMP decodes) on the device.
 COMPRESSORS = tuple(name for name, f in FORMATS.items() if f is not CRC32C)
 
 
@@ -87,7 +87,7 @@ class DecodeChain:
     def stored_bound(self) -> int:
         """Bytes a stored chunk of this chain fits in but for unusual cases: the decoded
         size plus room for a compressor's growth on incompressible data and its framing
-        (zstd, LZ4, deflate and Blosc add under 1/128 and a few dozen bytes) and a
+        (every format of :data:`COMPRESSORS` adds under 1/128 and a few dozen bytes) and a
         checksum. Reads that skip the ``stat`` of each file size their slots with it;
         a larger file is still read whole (see :func:`xarray_gds.stores.files.read_files_device`).
         """
@@ -324,8 +324,8 @@ def _wrapped_numcodecs(codec: Any) -> Any | None:
 
 
 def _v3_compressor(codec: Any, wrapped: Any | None) -> Compressor | None:
-    """The decode stage of a Zarr v3 codec: one of zarr's own (``zstd``, ``gzip``,
-    ``blosc``), or a numcodecs compressor wrapped as ``numcodecs.*``."""
+    """The decode stage of a Zarr v3 codec: one of zarr's own compressors, or a
+    numcodecs compressor wrapped as ``numcodecs.*``."""
     found = _zarr_compressor(codec)
     if found is None and wrapped is not None:
         found = _numcodecs_compressor(wrapped)
@@ -360,7 +360,8 @@ def _plan_v2(meta: ArrayV2Metadata, chunk_shape: tuple[int, ...]) -> DecodeChain
             return Unsupported(names, f"compressor {codec_name(meta.compressor)!r}")
     elif filters and (last := _numcodecs_compressor(filters[-1])) is not None:
         # a compressor given as the last filter, as kerchunk and VirtualiZarr describe
-        # HDF5 deflate ([Shuffle, Zlib], no compressor): the same bytes either way
+        # HDF5's filter pipeline ([Shuffle, compressor], no compressor): the same bytes
+        # either way
         compressor, filters = last, filters[:-1]
     planned: list[ByteFilter] = []
     for f in reversed(filters):  # decode order

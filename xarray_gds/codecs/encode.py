@@ -7,8 +7,8 @@ encodes a stack of chunks ``(n, *chunk_shape)`` at once: the stored byte layout
 (axis order, byte order) is made with array operations, every chunk is compressed
 to a raw stream (one nvCOMP batch call on the GPU; numcodecs or the standard library
 on the host, which CI uses to test the same framing), and the framing each codec
-expects is added around the raw streams (numcodecs' LZ4 size prefix, zlib's header
-and Adler-32 trailer; nvCOMP's zstd frames and gzip members are complete already).
+expects is added around the raw streams (a size prefix, a header and an Adler-32
+trailer: each format's ``write_framing``; some formats' raw streams are complete).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class EncodeChain:
         Codec names, for messages.
     options : object, optional
         The compressor's settings, for formats whose chunks are containers of streams
-        (Blosc: a :class:`~xarray_gds.codecs.blosc_encode.BloscEncode`); None otherwise.
+        (:attr:`~xarray_gds.codecs.formats.base.Format.container`): an object whose
+        ``encode(data, **options)`` makes the frames; None otherwise.
     """
 
     chunk_shape: tuple[int, ...]
@@ -103,7 +104,7 @@ def plan_encode(metadata: Any, levels: str = "host") -> EncodeChain | ShardEncod
         The array's metadata.
     levels : {"host", "gpu"}
         nvCOMP's encoders have no compression levels. With ``"host"`` a codec whose
-        level (LZ4: acceleration) differs from the codec's default is encoded on the
+        level (or acceleration) differs from the codec's default is encoded on the
         host, so the level is honoured; with ``"gpu"`` it is encoded by nvCOMP anyway
         (the level is recorded in the metadata but not applied).
 
@@ -378,10 +379,8 @@ def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
     if fmt is None:
         return pack(None, None, data, None)
     frames = chain.frames
-    if frames is not None:  # containers of streams (Blosc)
-        from xarray_gds.codecs.blosc_encode import encode_frames
-
-        return Encoded(*encode_frames(frames, data))
+    if frames is not None:  # containers of streams: the format's own batched encoder
+        return Encoded(*frames.encode(data))
     raw = [fmt.encode_raw(row) for row in data]
     checksums = adler32(data, np) if fmt.adler32 else None
     return pack(fmt, raw, data, checksums)

@@ -44,8 +44,8 @@ def decompress(
     (``out`` when given); ``done(i)`` is called in the decoding thread as soon as row
     ``i`` holds its values (to start its copy to the device).
 
-    The decoded sizes that streams declare (zstd frame content sizes, numcodecs' LZ4
-    size prefixes, Blosc headers and tables) are checked against ``nbytes`` first, as
+    The decoded sizes that streams declare (in their headers, size prefixes, a
+    container's tables) are checked against ``nbytes`` first, as
     on the GPU (:meth:`Format.check_host <xarray_gds.codecs.formats.base.Format.check_host>`):
     numcodecs allocates what a stream declares before it decodes a byte, so a damaged
     header would otherwise ask for terabytes.
@@ -53,7 +53,7 @@ def decompress(
     # numcodecs decodes straight into the output when every stream's decoded size is
     # known to be ``nbytes`` (as the checks found): one copy less
     into = compressor.format.check_host(chunks, nbytes, keys)
-    # a faster decoder where one is installed (libdeflate for zlib and gzip); the chunks
+    # a faster decoder where one is installed (the ``fast-host`` extra); the chunks
     # it does not decode exactly as numcodecs would go to numcodecs
     fast = compressor.format.fast_decoder()
     if out is None:

@@ -3,7 +3,7 @@
 The chunks of a batch lie in one device arena (:class:`~xarray_gds.batch.DeviceBatch`).
 Framing is handled here with host work on metadata only: the first bytes of every
 chunk are gathered in one kernel and copied to the host to check the stream headers
-(zstd magic and content size, numcodecs' LZ4 size prefix, zlib's header), then the
+(each format's magic bytes, declared sizes and framing), then the
 offsets and sizes (numpy vectors) are adjusted to point at the raw stream, and
 nvCOMP decodes every chunk of the batch into rows of one output buffer.
 """
@@ -23,14 +23,11 @@ from xarray_gds import device as _device
 from xarray_gds.batch import ALIGN as _ALIGN
 from xarray_gds.batch import DeviceBatch, pack, pack_offsets
 from xarray_gds.codecs import DecodeChain, crc32c
-from xarray_gds.codecs.formats import BLOSC, CRC32C, Format
+from xarray_gds.codecs.formats import CRC32C, Format
 from xarray_gds.codecs.formats.base import PEEK
-from xarray_gds.codecs.formats.blosc import STREAMS, Blosc
 from xarray_gds.errors import ChunkDecodeError
 
-__all__ = ["decode", "decode_blosc", "gather", "pack"]
-
-_BLOSC = BLOSC.name  # names Blosc's streams' codec in errors
+__all__ = ["decode", "decode_frames", "gather", "pack"]
 
 _local = threading.local()
 
@@ -287,8 +284,8 @@ def decode(chain: DecodeChain, batch: DeviceBatch, idx: list[int], keys: Sequenc
         gather(batch.arena, offsets, out, np.arange(m, dtype=np.int64) * nbytes, sizes)
         return out
     fmt = chain.compressor.format
-    if isinstance(fmt, Blosc):
-        return decode_blosc(batch, offsets, sizes, nbytes, keys)
+    if fmt.container:
+        return decode_frames(fmt, batch, offsets, sizes, nbytes, keys)
     offsets, sizes = _frame(fmt, batch, offsets, sizes, nbytes, keys)
     src = _aligned(batch, offsets, sizes)
     row = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -318,68 +315,21 @@ def _strip_crc32c(
     return body
 
 
-def decode_blosc(
-    batch: DeviceBatch, offsets: np.ndarray, sizes: np.ndarray, nbytes: int, keys: Sequence[str]
+def decode_frames(
+    fmt: Format, batch: DeviceBatch, offsets: Any, sizes: Any, nbytes: int, keys: Sequence[str]
 ) -> Any:
-    """Decode Blosc frames at ``offsets`` of ``batch`` into a ``(n, nbytes)`` CuPy array.
+    """Decode frames of the container format ``fmt`` (see
+    :attr:`~xarray_gds.codecs.formats.base.Format.container`) at ``offsets`` of ``batch``
+    into a ``(n, nbytes)`` CuPy array: the format lists their streams, and the streams
+    of each inner format decode in one nvCOMP call."""
 
-    The bytes of the frames that describe their streams (headers, block-start tables,
-    stream size prefixes) come to the host, a few gathers, to check and list the streams
-    (:func:`xarray_gds.codecs.blosc.parse_arena`, before anything reads them on the
-    device); then one gather copies the raw streams, one nvCOMP call per stream format
-    decodes the others (LZ4 blocks, zstd frames, zlib streams as raw deflate), and
-    CuPy undoes the byte or bit shuffle of every block.
-    """
-    from xarray_gds.codecs import blosc
+    def decode(inner: Format, arena: Any, *streams: Any) -> tuple[Any, np.ndarray]:
+        return _decode_streams(inner, arena, *streams, codec=fmt.name)
 
     cp = _device.cupy()
-    m = len(offsets)
-    out = cp.empty((m, nbytes), dtype=cp.uint8)
-    if not m:
-        return out
-    # only the bytes the parser reads come to the host, not the payloads
-    streams = blosc.parse_arena(batch.arena, offsets, sizes, keys, nbytes, xp=cp)
-    flat = out.reshape(-1)
-    src = offsets[streams.chunk] + streams.src
-    dst = streams.chunk * nbytes + streams.dst
-    raw = streams.raw
-    if raw.any():
-        gather(batch.arena, src[raw], flat, dst[raw], streams.dsize[raw])
-    for cname in sorted(streams.compressed_cnames):
-        pick = streams.compressed(cname)
-        which = streams.chunk[pick]
-        inner = STREAMS.get(cname)
-        if inner is None:
-            raise ChunkDecodeError(
-                keys[int(which[0])],
-                _BLOSC,
-                f"{cname} streams have no GPU decoder (open with device='cpu' to read it)",
-            )
-        # the raw stream inside the stream's framing (zlib: raw deflate between a 2-byte
-        # header and an Adler-32)
-        skip, trim = inner.strip
-        start, length = src[pick] + skip, streams.csize[pick] - trim
-        stream_keys = _StreamKeys(keys, which, cname)
-        decoded, at = _decode_streams(
-            inner.format, batch.arena, start, length, streams.dsize[pick], stream_keys
-        )
-        gather(decoded, at, flat, dst[pick], streams.dsize[pick])
-    return blosc.unshuffle(out, streams.typesize, streams.blocksize, streams.shuffle, xp=cp)
-
-
-class _StreamKeys(Sequence[str]):
-    """Names of Blosc streams for messages: the chunk key and the stream format."""
-
-    def __init__(self, keys: Sequence[str], which: np.ndarray, cname: str) -> None:
-        self._keys, self._which, self._cname = keys, which, cname
-
-    def __len__(self) -> int:
-        return len(self._which)
-
-    def __getitem__(self, j: Any) -> Any:
-        if isinstance(j, slice):
-            return [self[i] for i in range(*j.indices(len(self)))]
-        return f"{self._keys[int(self._which[j])]} ({self._cname} stream)"
+    return fmt.decode_frames(
+        batch.arena, offsets, sizes, nbytes, keys, xp=cp, gather=gather, decode=decode
+    )
 
 
 def _decode_streams(
@@ -389,20 +339,23 @@ def _decode_streams(
     lengths: np.ndarray,
     decoded_sizes: np.ndarray,
     keys: Sequence[str],
+    *,
+    codec: str,
 ) -> tuple[Any, np.ndarray]:
-    """Decode streams of any alignment and sizes with one nvCOMP call.
+    """Decode streams of any alignment and sizes with one nvCOMP call (``codec``: the
+    container's name, for errors).
 
     Returns a buffer of the decoded streams and the offset of each in it.
     """
     cp = _device.cupy()
     if np.any(lengths <= 0):
         j = int(np.flatnonzero(lengths <= 0)[0])
-        raise ChunkDecodeError(keys[j], _BLOSC, "empty compressed stream")
+        raise ChunkDecodeError(keys[j], codec, "empty compressed stream")
     src = _aligned(DeviceBatch(arena, starts, lengths), starts, lengths)
-    _walk(fmt, src, src.offsets, src.sizes, decoded_sizes, keys, _BLOSC)
+    _walk(fmt, src, src.offsets, src.sizes, decoded_sizes, keys, codec)
     out_offsets, out_total = pack_offsets(decoded_sizes, _ALIGN)
     out = cp.empty(max(out_total, 1), dtype=cp.uint8)
-    _run(fmt, _BLOSC, src, out, out_offsets, decoded_sizes, keys)
+    _run(fmt, codec, src, out, out_offsets, decoded_sizes, keys)
     return out, out_offsets
 
 
@@ -529,12 +482,9 @@ def encode(chain: Any, chunks: Any) -> Any:
     if fmt is None:
         return enc.pack(None, None, _to_pinned(data), None)
     frames = chain.frames
-    if frames is not None:  # containers of streams (Blosc): blocks in one batch
-        from xarray_gds.codecs.blosc_encode import encode_frames
-
+    if frames is not None:  # containers of streams: blocks in one batch
         return enc.Encoded(
-            *encode_frames(
-                frames,
+            *frames.encode(
                 data,
                 xp=cp,
                 compress=compress_streams,
@@ -564,7 +514,7 @@ def encode(chain: Any, chunks: Any) -> Any:
 def compress_streams(
     inner: Any, flat: Any, offsets: np.ndarray, sizes: np.ndarray
 ) -> tuple[Any, np.ndarray, np.ndarray]:
-    """Raw streams of ``inner.format`` (a Blosc frame's inner streams) of the pieces
+    """Raw streams of ``inner.format`` (a container's inner streams) of the pieces
     ``flat[offsets[i]:][:sizes[i]]`` of a device buffer, with one nvCOMP call (pieces
     not on an aligned offset are copied first): ``(buffer, starts, sizes)``."""
     src = _aligned(DeviceBatch(flat, offsets, sizes), offsets, sizes)

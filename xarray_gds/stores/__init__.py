@@ -20,21 +20,9 @@ zarr Store reads and writes it (:func:`source_for`). A new kind is one module wi
 
 from __future__ import annotations
 
-from xarray_gds.stores.base import (
-    Opened,
-    Ranges,
-    Source,
-    WriterLock,
-    join,
-    kinds,
-    merge_ranges,
-    on_side,
-    open_target,
-    read,
-    read_joined,
-    register,
-    source_for,
-)
+from xarray_gds.stores import base
+from xarray_gds.stores.base import *  # noqa: F403 - the registry and the Source ABC
+from xarray_gds.stores.base import register
 from xarray_gds.stores.generic import MemorySource, StoreSource
 from xarray_gds.stores.icechunk import IcechunkSource
 from xarray_gds.stores.local import DirectorySource, LocalSource
@@ -46,23 +34,11 @@ __all__ = [
     "IcechunkSource",
     "LocalSource",
     "MemorySource",
-    "Opened",
-    "Ranges",
     "ReferenceSource",
     "RemoteSource",
-    "Source",
     "StoreSource",
-    "WriterLock",
-    "join",
-    "kinds",
-    "merge_ranges",
-    "on_side",
-    "open_target",
-    "read",
-    "read_joined",
-    "register",
-    "source_for",
 ]
+__all__ += base.__all__
 
 # the order they are asked in: a reference set may be a path or an s3:// URL, so
 # references come before the remote and local kinds; every store is a StoreSource's

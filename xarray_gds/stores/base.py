@@ -98,6 +98,10 @@ class Source(abc.ABC):
     ``writes_in_threads``
         Its synchronous ``set_sync``/``delete_sync`` release the GIL: the batched
         writes run them in the host pool's threads.
+
+    ``private_keys`` (a set of names) are the write side's own objects in the store's
+    root (a local directory's lock file): never zarr's, left out of a write's listings
+    and kept when the write clears the store (:meth:`delete_dir`, :meth:`clear`).
     """
 
     device_reads: ClassVar[bool] = False
@@ -109,6 +113,7 @@ class Source(abc.ABC):
     locking: ClassVar[bool] = False
     probes: ClassVar[bool] = False
     writes_in_threads: ClassVar[bool] = False
+    private_keys: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -200,6 +205,16 @@ class Source(abc.ABC):
             When another writer held it that long; it names that writer.
         """
         return None
+
+    async def delete_dir(self, prefix: str) -> None:
+        """Delete the keys below ``prefix`` (every key for ``""``, :attr:`private_keys`
+        kept), for a write: through the store's own ``delete_dir``."""
+        await self.store.delete_dir(prefix)
+
+    async def clear(self) -> None:
+        """Delete every key (:attr:`private_keys` kept), for a write: through the store's
+        own ``clear``."""
+        await self.store.clear()
 
     def existed(self, key: str) -> bool:
         """Whether the store holds ``key`` now (asked in a write's threads)."""

@@ -146,10 +146,12 @@ def write_file(path: str, data: Any) -> None:
         raise
 
 
-def remove_tree(path: str) -> None:
+def remove_tree(path: str, keep: frozenset[str] = frozenset()) -> None:
     """Delete the directory ``path`` and everything below it (as ``shutil.rmtree``:
     links inside it are removed, not followed, and ``path`` itself may not be a link),
-    files and then each level of directories deleted in parallel on the host pool."""
+    files and then each level of directories deleted in parallel on the host pool.
+    With ``keep`` (names of files directly in ``path``), those files and ``path`` stay:
+    only the rest of what it holds is deleted."""
     if os.path.islink(path):
         raise OSError(f"cannot remove a directory tree through a symbolic link: {path}")
 
@@ -161,7 +163,7 @@ def remove_tree(path: str) -> None:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     walk(entry.path, depth + 1)
-                else:
+                elif depth or entry.name not in keep:
                     files.append(entry.path)
         while len(levels) <= depth:
             levels.append([])
@@ -169,7 +171,7 @@ def remove_tree(path: str) -> None:
 
     walk(path, 0)
     parallel(lambda i: os.unlink(files[i]), len(files))
-    for level in reversed(levels):
+    for level in reversed(levels[1:] if keep else levels):
         parallel(lambda i, level=level: os.rmdir(level[i]), len(level))
 
 

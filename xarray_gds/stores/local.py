@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from xarray_gds.batch import Fetched, HostBatch, offload
 from xarray_gds.stores import files as _local
 from xarray_gds.stores.base import Opened, Ranges, Source, WriterLock
 from xarray_gds.stores.generic import StoreSource
-from xarray_gds.stores.lock import FileLock, lock_path
+from xarray_gds.stores.lock import LOCK_NAME, FileLock, lock_path
 
 if TYPE_CHECKING:
     from zarr.core.buffer import BufferPrototype
@@ -56,7 +56,9 @@ class GdsStore(LocalStore):
     pinned bounce buffer) otherwise. Metadata keys and reads with a host prototype
     go through ordinary file reads. Writes go to a temporary file renamed into place
     (as LocalStore's, with os-level calls); deleting a directory removes its files
-    in parallel. Listing is :class:`~zarr.storage.LocalStore`'s. Metadata keys are
+    in parallel. Listing is :class:`~zarr.storage.LocalStore`'s, less the writer lock
+    file in the root (:data:`~xarray_gds.stores.lock.LOCK_NAME`, not zarr's), which
+    ``clear`` and ``delete_dir("")`` keep. Metadata keys are
     written as any other: :func:`xarray_gds.to_zarr` holds them until the data is in
     (:class:`~xarray_gds.deferred.HeldMetadataStore`).
 
@@ -224,9 +226,11 @@ class GdsStore(LocalStore):
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
         prefix = prefix.rstrip("/")
-        if prefix:
-            self.resolve(prefix)
-            self._check_links(prefix.split("/")[:-1], prefix)  # the prefix: remove_tree
+        if not prefix:
+            await self.clear()
+            return
+        self.resolve(prefix)
+        self._check_links(prefix.split("/")[:-1], prefix)  # the prefix: remove_tree
         path = self.root / prefix
         if path.is_dir():
             await asyncio.to_thread(_local.remove_tree, str(path))
@@ -234,13 +238,27 @@ class GdsStore(LocalStore):
             raise ValueError(f"delete_dir was given {prefix!r}, which is a file in {self}")
 
     async def clear(self) -> None:
+        """Delete every key: all the root holds but the writer lock file (a ``mode="w"``
+        write clears the store it holds the lock of)."""
         self._check_writable()
+        await asyncio.to_thread(clear_root, self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
 
-        def clear_root() -> None:
-            _local.remove_tree(str(self.root))
-            self.root.mkdir()
+    async def list(self) -> AsyncIterator[str]:
+        async for key in super().list():
+            if key != LOCK_NAME:
+                yield key
 
-        await asyncio.to_thread(clear_root)
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        async for key in super().list_prefix(prefix):
+            if key != LOCK_NAME:
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        top = not prefix.strip("/")
+        async for name in super().list_dir(prefix):
+            if not (top and name == LOCK_NAME):
+                yield name
 
     async def exists(self, key: str) -> bool:
         self.resolve(key)
@@ -255,6 +273,14 @@ class GdsStore(LocalStore):
 
     def __str__(self) -> str:
         return f"file://{self.root.as_posix()}"
+
+
+def clear_root(root: str | os.PathLike[str]) -> None:
+    """Delete all that the local store at ``root`` holds but its writer lock file
+    (:data:`~xarray_gds.stores.lock.LOCK_NAME`); the root stays (nothing when it is
+    missing)."""
+    if os.path.isdir(root):
+        _local.remove_tree(os.fspath(root), keep=frozenset({LOCK_NAME}))
 
 
 # -- the local kind ----------------------------------------------------------------------
@@ -317,15 +343,29 @@ def _netcdf_kind(path: Path) -> str | None:
 
 
 class _LocalWrites(Source):
-    """The write side of a local directory: the lock file, ``lstat`` probes and the
-    removal of the directories a failed write left empty."""
+    """The write side of a local directory: the lock file (in the root, kept when a
+    write clears the store), ``lstat`` probes and the removal of the directories a
+    failed write left empty."""
 
     writes = True
     locking = True
     probes = True
+    private_keys = frozenset({LOCK_NAME})
 
     def writer_lock(self, timeout: float | None) -> WriterLock | None:
         return FileLock(lock_path(self.store.root), self.store).acquire(timeout)
+
+    async def delete_dir(self, prefix: str) -> None:
+        if prefix.strip("/"):
+            await self.store.delete_dir(prefix)
+        else:
+            await self.clear()
+
+    async def clear(self) -> None:
+        """Delete all the root holds but the lock file (a zarr ``LocalStore``'s own
+        ``clear`` removes the root whole, the lock file of this write with it)."""
+        self.store._check_writable()
+        await asyncio.to_thread(clear_root, self.store.root)
 
     def existed(self, key: str) -> bool:
         return os.path.lexists(os.path.join(self.store.root, key))

@@ -27,6 +27,7 @@ import numpy as np
 from xarray_gds import decode, route
 from xarray_gds import device as _device
 from xarray_gds.batch import PinnedStaging, pack, pool_threads
+from xarray_gds.codecs import formats
 from xarray_gds.route import Costs, Rates
 
 __all__ = ["Compared", "calibrate", "compare", "host_chunk_seconds", "predict", "table"]
@@ -149,16 +150,17 @@ class Compared:
     split_measured: float = float("nan")
 
 
-def predict(fmt: str, n_chunks: int, chunk_nbytes: int, costs: Costs) -> Compared:
-    """The model's seconds of a batch (``costs.threads`` set): nvCOMP alone, the host
-    route, the split forced on, and what it chooses."""
+def predict(name: str, n_chunks: int, chunk_nbytes: int, costs: Costs) -> Compared:
+    """The model's seconds of a batch of the format ``name`` (``costs.threads`` set):
+    nvCOMP alone, the host route, the split forced on, and what it chooses."""
+    fmt = formats.get(name)
     gpu, host = route.estimate(fmt, n_chunks, chunk_nbytes, costs)
     auto = route.split(fmt, n_chunks, chunk_nbytes, costs)
     choice = "gpu" if auto.host == 0 else "host" if auto.gpu == 0 else f"split {auto.host}"
     forced = route.split(fmt, n_chunks, chunk_nbytes, costs, force=True)
     k = forced.host if 0 < forced.host < n_chunks else 0
     return Compared(
-        fmt, n_chunks, chunk_nbytes, choice, k, gpu, host, forced.seconds if k else float("nan")
+        name, n_chunks, chunk_nbytes, choice, k, gpu, host, forced.seconds if k else float("nan")
     )
 
 

@@ -148,6 +148,10 @@ class Format:
     adler32 : bool
         Its framing ends with the Adler-32 of the decoded bytes (zlib), which the encoder
         computes on the device or the host.
+    container : bool
+        Its chunks are frames holding streams of other formats (Blosc): the device
+        decodes them with :meth:`decode_frames`, the streams of each inner format in one
+        batch call.
     """
 
     name: str
@@ -161,6 +165,7 @@ class Format:
     encodes: bool = True
     encode_limit: int | None = None
     adler32: bool = False
+    container: bool = False
 
     #: numcodecs codec class of the format, and the Zarr v3 codec class (whose ``level``
     #: the numcodecs codec takes), if any
@@ -309,6 +314,17 @@ class Format:
     def decode_framed(self, stream: np.ndarray, nbytes: int) -> Any:
         """Decode one stream with its framing on the host (numcodecs' view)."""
         return self.numcodecs_codec().decode(stream)
+
+    def decode_frames(self, *frames: Any, **runtime: Any) -> Any:
+        """Decode the frames of a :attr:`container` on the device.
+
+        ``frames`` are ``(arena, offsets, sizes, nbytes, keys)``: the frames at
+        ``offsets`` (of ``sizes`` bytes) of ``arena``, each of ``nbytes`` decoded bytes,
+        and their chunk keys; ``runtime`` the device runtime's ``xp`` (the array module),
+        ``gather(src, src_offsets, dst, dst_offsets, sizes)`` and ``decode(format, arena,
+        starts, lengths, decoded_sizes, keys) -> (buffer, offsets)`` (one batch call of
+        raw streams of ``format``). Returns a ``(n, nbytes)`` ``xp`` array."""
+        raise NotImplementedError(f"{self.name} chunks are not frames of other formats")
 
     # -- encoding ---------------------------------------------------------------------
 

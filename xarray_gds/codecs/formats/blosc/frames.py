@@ -1,45 +1,14 @@
 """Blosc1 frames taken apart on the host, so that a batch of them decodes in a few launches.
 
-A Blosc1 frame (what ``numcodecs.Blosc.encode`` writes, c-blosc 1.x, format version 2)
-is laid out as follows; integers are little-endian::
-
-    offset  size  field
-    0       1     format version (2)
-    1       1     compressor format version (1)
-    2       1     flags: bit 0 byte shuffle, bit 1 memcpyed, bit 2 bit shuffle,
-                  bit 3 reserved (must be 0), bit 4 "don't split",
-                  bits 5-7 compressor (0 blosclz, 1 lz4/lz4hc, 2 snappy, 3 zlib, 4 zstd)
-    3       1     typesize (bytes per element, 1..255)
-    4       4     nbytes: decoded size
-    8       4     blocksize: decoded bytes per block (the last block may be shorter)
-    12      4     cbytes: size of the whole frame
-    16      4*B   start of each of the B = ceil(nbytes / blocksize) blocks in the frame
-
-Blocks are independent. A block is a single stream, or ``typesize`` streams of
-``blocksize / typesize`` decoded bytes each ("split"); every stream is an int32
-compressed size followed by that many payload bytes, and a stream whose compressed size
-equals its decoded size is stored as is. The decoded block is then unshuffled (byte or
-bit shuffle) on its own. A *memcpyed* frame has no block-start table and no streams: the
-decoded bytes follow the header as they are, unshuffled.
-
-The rules followed here are those of the c-blosc 1.x *decoder* (``blosc_d``), which is
-what decides how a frame reads, whatever encoder wrote it:
-
-* A full block is split into ``typesize`` streams when the "don't split" flag is clear,
-  ``typesize <= 16`` and ``blocksize // typesize >= 128`` (frames written before the flag
-  existed are split by that same rule). The last block, when shorter than ``blocksize``,
-  is never split.
-* Byte shuffle (only when ``typesize > 1``) transposes the ``size // typesize`` whole
-  elements of a block; the ``size % typesize`` bytes left at its end are stored as is.
-* Bit shuffle transposes the bits of the block's whole elements when their number is a
-  multiple of 8 (and not 0); the leftover bytes are stored as is. A block whose number of
-  whole elements is not a multiple of 8 is stored entirely as is. When both shuffle flags
-  are set, byte shuffle wins if ``typesize > 1``.
+The layout of a frame and the rules of the c-blosc 1.x decoder that decide how it reads
+are described in :mod:`xarray_gds.codecs.formats.blosc.tables`.
 
 :func:`parse_frames` checks a batch of frames and lists every stream (source offset and
 size, destination offset and size); the device layer decompresses the streams with nvCOMP
-into a ``(n_frames, nbytes)`` buffer and calls :func:`unshuffle` (numpy or CuPy) on it.
-:func:`decode_host` does the same on the host with numcodecs, as a reference.
+into a ``(n_frames, nbytes)`` buffer and calls
+:func:`~xarray_gds.codecs.formats.blosc.shuffles.unshuffle` (numpy or CuPy) on it.
+:func:`~xarray_gds.codecs.formats.blosc.host.decode_host` does the same on the host
+with numcodecs, as a reference.
 :func:`parse_arena` parses frames that lie in a device arena, bringing to the host only
 the bytes the parser reads (headers, block-start tables, stream size prefixes).
 """
@@ -47,164 +16,30 @@ the bytes the parser reads (headers, block-start tables, stream size prefixes).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NoReturn
 
 import numpy as np
 
-from xarray_gds.codecs.formats.base import Format
-from xarray_gds.codecs.formats.deflate import ZLIB
-from xarray_gds.codecs.formats.lz4 import LZ4
-from xarray_gds.codecs.formats.zstd import ZSTD
+from xarray_gds.codecs.formats.blosc.tables import (
+    _BITSHUFFLE,
+    _CODEC,
+    _DONT_SPLIT,
+    _MAX_SPLITS,
+    _MEMCPYED,
+    _MIN_SPLIT_ELEMENTS,
+    _RESERVED,
+    _SHUFFLE,
+    CNAMES,
+    FORMAT_VERSION,
+    HEADER_NBYTES,
+    BloscStreams,
+)
 from xarray_gds.errors import ChunkDecodeError
 
-__all__ = [
-    "BATCHED_CNAMES",
-    "STREAMS",
-    "BloscStreams",
-    "InnerStream",
-    "decode_host",
-    "parse_arena",
-    "parse_frames",
-    "unshuffle",
-]
+__all__ = ["parse_arena", "parse_frames"]
 
-
-@dataclass(frozen=True)
-class InnerStream:
-    """How the streams of one Blosc compressor are stored in a frame.
-
-    Attributes
-    ----------
-    format : Format
-        The stream's format.
-    framed : bool
-        The stream keeps its format's framing (zlib: header and Adler-32); else it is the
-        raw stream (LZ4: a block without numcodecs' size prefix).
-    """
-
-    format: Format
-    framed: bool
-
-    @property
-    def strip(self) -> tuple[int, int]:
-        """``(skip, trim)``: framing bytes before the raw stream and in all."""
-        return (self.format.skip, self.format.trim) if self.framed else (0, 0)
-
-    def decode_host(self, payload: Any, nbytes: int) -> Any:
-        """Decode one stream of ``nbytes`` decoded bytes on the host."""
-        if self.framed:
-            return self.format.decode_framed(payload, nbytes)
-        return self.format.decode_raw(payload, nbytes)
-
-
-#: Stream format of each Blosc compressor with a batched decoder (nvCOMP on the
-#: device, numcodecs and zlib on the host), by the name the frame's header gives it.
-STREAMS = {
-    "lz4": InnerStream(LZ4, framed=False),
-    "zstd": InnerStream(ZSTD, framed=True),
-    "zlib": InnerStream(ZLIB, framed=True),
-}
-
-
-HEADER_NBYTES = 16  #: bytes of the fixed Blosc1 header
-FORMAT_VERSION = 2  #: the Blosc1 format version read here (c-blosc 1.x)
-#: Stream format of each compressor code (flags bits 5-7); lz4hc writes lz4 streams.
-CNAMES = ("blosclz", "lz4", "snappy", "zlib", "zstd")
-#: Stream formats with a batched decoder (nvCOMP on the device, numcodecs/zlib here):
-#: those of :data:`STREAMS`.
-BATCHED_CNAMES = frozenset(STREAMS)
-
-_CODEC = "blosc"  #: the codec errors name (the format is xarray_gds.codecs.formats.blosc)
-_SHUFFLE, _MEMCPYED, _BITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x01, 0x02, 0x04, 0x08, 0x10
-_MAX_SPLITS = 16  # c-blosc's MAX_SPLITS
-_MIN_SPLIT_ELEMENTS = 128  # c-blosc's MIN_BUFFERSIZE, as used by the split rule
-_BIT_PASS_NBYTES = 1 << 25  # bit-shuffled bytes undone per pass (8x that in temporaries)
 _U8 = np.dtype(np.uint8)
-
-
-@dataclass(frozen=True, eq=False)
-class BloscStreams:
-    """The streams of a batch of Blosc frames, all frames flattened together.
-
-    Per-stream arrays (int64 unless noted), in order of frame, then block, then split:
-
-    Attributes
-    ----------
-    chunk : numpy.ndarray
-        Index of the stream's frame in the batch.
-    src : numpy.ndarray
-        Offset of the stream's payload in its frame (past its 4-byte size prefix).
-    csize : numpy.ndarray
-        Payload bytes.
-    dst : numpy.ndarray
-        Offset in the frame's decoded (still shuffled) bytes where the stream goes.
-    dsize : numpy.ndarray
-        Decoded bytes of the stream.
-    raw : numpy.ndarray
-        bool: the payload is stored as is (copy ``csize == dsize`` bytes).
-
-    Per-frame arrays:
-
-    nbytes : numpy.ndarray
-        Decoded size.
-    typesize : numpy.ndarray
-        Element size the shuffle works on.
-    blocksize : numpy.ndarray
-        Decoded bytes per block (the last block may be shorter).
-    shuffle : numpy.ndarray
-        Shuffle to undo: 0 none, 1 byte, 2 bit. Already resolved from the flags the way
-        the decoder does it (0 for memcpyed frames, 0 for byte shuffle of 1-byte types).
-    memcpyed : numpy.ndarray
-        bool: the frame stores its decoded bytes as is after the header; it is listed as
-        one raw stream at ``src=16`` of ``nbytes`` bytes, like any other raw stream.
-        (Frames of 0 bytes have no streams at all.)
-    cname : tuple of str
-        Stream format of each frame: "blosclz", "lz4" (lz4 and lz4hc), "snappy", "zlib"
-        or "zstd".
-    """
-
-    chunk: np.ndarray
-    src: np.ndarray
-    csize: np.ndarray
-    dst: np.ndarray
-    dsize: np.ndarray
-    raw: np.ndarray
-    nbytes: np.ndarray
-    typesize: np.ndarray
-    blocksize: np.ndarray
-    shuffle: np.ndarray
-    memcpyed: np.ndarray
-    cname: tuple[str, ...]
-
-    @property
-    def n_frames(self) -> int:
-        return len(self.cname)
-
-    @property
-    def n_streams(self) -> int:
-        return len(self.chunk)
-
-    def compressed(self, cname: str) -> np.ndarray:
-        """Mask of the streams to decompress with ``cname`` (raw streams excluded)."""
-        frames = np.array([c == cname for c in self.cname], dtype=bool)
-        return frames[self.chunk] & ~self.raw
-
-    @property
-    def compressed_cnames(self) -> frozenset[str]:
-        """Stream formats of the streams that need decompressing."""
-        return frozenset(self.cname[i] for i in np.unique(self.chunk[~self.raw]))
-
-    def block_bounds(self, i: int) -> np.ndarray:
-        """Block boundaries of frame ``i``: ``[0, blocksize, 2 * blocksize, ..., nbytes]``.
-
-        Each block is unshuffled on its own; only the last one may be shorter.
-        """
-        nbytes, blocksize = int(self.nbytes[i]), int(self.blocksize[i])
-        if nbytes == 0:
-            return np.zeros(1, dtype=np.int64)
-        return np.append(np.arange(0, nbytes, blocksize, dtype=np.int64), nbytes)
 
 
 def _as_frame(frame: Any) -> np.ndarray:
@@ -663,179 +498,3 @@ def _parse(
         memcpyed=memcpyed,
         cname=cname,
     )
-
-
-def _per_frame(value: Any, n: int, name: str) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.int64)
-    if arr.ndim == 0:
-        return np.full(n, int(arr), dtype=np.int64)
-    if arr.shape != (n,):
-        raise ValueError(f"{name} must be a scalar or have one entry per frame ({n})")
-    return arr
-
-
-def _byte_unshuffle(blocks: Any, typesize: int, xp: Any) -> Any:
-    """Undo the byte shuffle of the rows of ``blocks`` (each one block), or None."""
-    size = blocks.shape[1]
-    elements = size // typesize
-    whole = elements * typesize
-    if elements == 0:
-        return None
-    planes = blocks[:, :whole].reshape(-1, typesize, elements)
-    return xp.ascontiguousarray(planes.transpose(0, 2, 1)).reshape(-1, whole)
-
-
-def _bit_unshuffle(blocks: Any, typesize: int, xp: Any) -> Any:
-    """Undo the bit shuffle of the rows of ``blocks`` (each one block), or None."""
-    size = blocks.shape[1]
-    elements = size // typesize
-    whole = elements * typesize
-    if elements == 0 or elements % 8:
-        return None  # c-blosc stores such a block as is
-    # Shuffled: 8 * typesize rows (byte k, bit b of every element) of elements / 8 bytes,
-    # element e's bit at bit e % 8 of byte e // 8.
-    bits = xp.unpackbits(xp.ascontiguousarray(blocks[:, :whole]).reshape(-1), bitorder="little")
-    bits = bits.reshape(-1, typesize, 8, elements).transpose(0, 3, 1, 2)
-    packed = xp.packbits(xp.ascontiguousarray(bits).reshape(-1), bitorder="little")
-    return packed.reshape(-1, whole)
-
-
-def unshuffle(data: Any, typesize: Any, blocksize: Any, shuffle: Any, *, xp: Any = np) -> Any:
-    """Undo Blosc's byte or bit shuffle on decoded frames, block by block.
-
-    Each block is unshuffled on its own, as c-blosc does (see the module docstring: the
-    bytes past the block's whole elements stay as they are, and so does a bit-shuffled
-    block whose number of elements is not a multiple of 8). Frames sharing
-    ``(typesize, blocksize, shuffle)`` (normally the whole batch) are done together: a few
-    vectorized operations for all their full blocks, a few more for their short last
-    blocks. Only ``reshape``, ``transpose``, ``ascontiguousarray``, ``unpackbits`` /
-    ``packbits`` (flat, ``bitorder="little"``) and indexing are used, so CuPy runs it too.
-
-    Parameters
-    ----------
-    data : numpy.ndarray or cupy.ndarray
-        ``(n_frames, nbytes)`` uint8: the decoded, still shuffled bytes of each frame.
-    typesize, blocksize, shuffle : int or array-like
-        Per frame (host arrays, e.g. :class:`BloscStreams` fields) or one for all;
-        ``shuffle`` is 0 none, 1 byte, 2 bit, as resolved by :func:`parse_frames`.
-    xp : module
-        ``numpy`` or ``cupy``, the array module of ``data``.
-
-    Returns
-    -------
-    array
-        ``(n_frames, nbytes)`` uint8 unshuffled bytes: a new array, or ``data`` itself
-        when no frame is shuffled.
-    """
-    n, nbytes = data.shape
-    typesizes = _per_frame(typesize, n, "typesize")
-    blocksizes = _per_frame(blocksize, n, "blocksize")
-    shuffles = _per_frame(shuffle, n, "shuffle")
-    active = ((shuffles == 1) & (typesizes > 1)) | (shuffles == 2)
-    if nbytes == 0 or not active.any():
-        return data
-    if np.any(typesizes[active] <= 0) or np.any(blocksizes[active] <= 0):
-        raise ValueError("typesize and blocksize must be positive")
-    out = data.copy()
-    params = np.stack([typesizes, blocksizes, shuffles], axis=1)[active]
-    groups, inverse = np.unique(params, axis=0, return_inverse=True)
-    frame_ids = np.flatnonzero(active)
-    for g, (ts, bs, mode) in enumerate(groups.tolist()):
-        members = frame_ids[inverse.reshape(-1) == g]
-        undo = _byte_unshuffle if mode == 1 else _bit_unshuffle
-        nfull = nbytes // bs
-        spans = [(0, nfull * bs, bs), (nfull * bs, nbytes, nbytes - nfull * bs)]
-        for start, stop, size in spans:
-            if stop == start:
-                continue
-            # bound the temporaries of the bit shuffle by doing a few frames at a time
-            step = len(members) if mode == 1 else max(1, _BIT_PASS_NBYTES // (stop - start))
-            for lo in range(0, len(members), step):
-                part = members[lo : lo + step]
-                if len(part) == part[-1] - part[0] + 1:  # consecutive frames: slice
-                    rows: Any = slice(int(part[0]), int(part[-1]) + 1)
-                else:
-                    rows = xp.asarray(part)
-                region = data[rows, start:stop]
-                blocks = region.reshape(-1, size)
-                done = undo(blocks, ts, xp)
-                if done is None:
-                    continue
-                if done.shape[1] < size:  # leftover bytes at each block's end stay
-                    blocks = blocks.copy()
-                    blocks[:, : done.shape[1]] = done
-                    done = blocks
-                out[rows, start:stop] = done.reshape(len(part), stop - start)
-    return out
-
-
-def _decompress(cname: str, payload: np.ndarray, dsize: int, key: str) -> np.ndarray:
-    """One compressed stream, decoded on the host by its format (:data:`STREAMS`)."""
-    try:
-        decoded = STREAMS[cname].decode_host(payload, dsize)
-    except Exception as exc:
-        raise ChunkDecodeError(key, _CODEC, f"a {cname} stream does not decode ({exc})") from exc
-    out = np.frombuffer(decoded, dtype=np.uint8)
-    if out.size != dsize:
-        raise ChunkDecodeError(
-            key, _CODEC, f"a {cname} stream decodes to {out.size} bytes, expected {dsize}"
-        )
-    return out
-
-
-def decode_host(frames: Sequence[Any], keys: Sequence[str], nbytes: int) -> np.ndarray:
-    """Decode a batch of Blosc1 frames on the host, stream by stream (a reference).
-
-    Uses :func:`parse_frames` and :func:`unshuffle` exactly as the device path does; only
-    the stream decompression (numcodecs' LZ4 and Zstd, zlib) differs.
-
-    Parameters
-    ----------
-    frames : sequence of numpy.ndarray
-        One whole Blosc frame per chunk, 1-D uint8.
-    keys : sequence of str
-        Chunk keys, for error messages.
-    nbytes : int
-        Decoded size of every frame.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``(n_frames, nbytes)`` uint8, the decoded bytes.
-
-    Raises
-    ------
-    ChunkDecodeError
-        A frame is damaged, or needs a compressor with no batched decoder (blosclz,
-        snappy).
-    """
-    streams = parse_frames(frames, keys, nbytes)
-    arrays = [_as_frame(f) for f in frames]
-    unsupported = np.array([c not in BATCHED_CNAMES for c in streams.cname], dtype=bool)
-    s = _first(unsupported[streams.chunk] & ~streams.raw)
-    if s is not None:
-        i = int(streams.chunk[s])
-        raise ChunkDecodeError(
-            keys[i],
-            _CODEC,
-            f"the Blosc compressor {streams.cname[i]!r} has no batched decoder here (only "
-            "lz4, lz4hc, zstd and zlib); read this array with zarr's own codec pipeline, or "
-            "recompress it with a supported compressor",
-        )
-    out = np.empty((len(arrays), nbytes), dtype=np.uint8)
-    for c, src, csize, dst, dsize, raw in zip(
-        streams.chunk.tolist(),
-        streams.src.tolist(),
-        streams.csize.tolist(),
-        streams.dst.tolist(),
-        streams.dsize.tolist(),
-        streams.raw.tolist(),
-        strict=True,
-    ):
-        payload = arrays[c][src : src + csize]
-        if raw:
-            out[c, dst : dst + dsize] = payload
-        else:
-            out[c, dst : dst + dsize] = _decompress(streams.cname[c], payload, dsize, keys[c])
-    result: np.ndarray = unshuffle(out, streams.typesize, streams.blocksize, streams.shuffle, xp=np)
-    return result

@@ -1,11 +1,20 @@
 """Blosc1 frames (Zarr v3 ``blosc``, numcodecs ``Blosc``): not an nvCOMP format.
 
-A frame holds LZ4, Zstd, zlib (or blosclz, snappy) streams plus a byte or bit shuffle;
-:mod:`xarray_gds.codecs.blosc` takes frames apart, and the device decodes their
-streams piece by piece with the inner formats listed in :data:`STREAMS`. One numcodecs
-``Blosc()`` decodes every frame on the host (frames say how they decode).
-:mod:`xarray_gds.codecs.blosc_encode` makes frames of lz4, lz4hc, zstd and zlib in
-batches (nvCOMP compresses the blocks on the GPU).
+A frame holds LZ4, Zstd, zlib (or blosclz, snappy) streams plus a byte or bit shuffle.
+Everything the package knows about Blosc is in this package:
+
+- :mod:`~xarray_gds.codecs.formats.blosc.tables`: the frame's layout, its header's
+  constants and the inner streams' formats (:data:`STREAMS`);
+- :mod:`~xarray_gds.codecs.formats.blosc.frames`: the parser, which checks frames and
+  lists their streams (on the host, or reading only the tables of frames in a device
+  arena);
+- :mod:`~xarray_gds.codecs.formats.blosc.shuffles`: the byte and bit shuffles, both ways;
+- :mod:`~xarray_gds.codecs.formats.blosc.decode`: the batched decode, the streams of
+  each inner format in one batch call on the device, stream by stream on the host;
+- :mod:`~xarray_gds.codecs.formats.blosc.encode`: frames of lz4, lz4hc, zstd and zlib
+  made in batches (nvCOMP compresses the blocks on the GPU).
+
+One numcodecs ``Blosc()`` decodes every frame on the host (frames say how they decode).
 """
 
 from __future__ import annotations
@@ -17,11 +26,26 @@ import numcodecs
 import numpy as np
 import zarr.codecs as zc
 
-from xarray_gds.codecs.blosc import STREAMS, InnerStream, parse_frames
-from xarray_gds.codecs.blosc_encode import ENCODED_CNAMES, BloscEncode
 from xarray_gds.codecs.formats.base import Compressor, Format, Rates
+from xarray_gds.codecs.formats.blosc.decode import decode_device, decode_host
+from xarray_gds.codecs.formats.blosc.encode import ENCODED_CNAMES, BloscEncode
+from xarray_gds.codecs.formats.blosc.frames import parse_arena, parse_frames
+from xarray_gds.codecs.formats.blosc.shuffles import shuffle, unshuffle
+from xarray_gds.codecs.formats.blosc.tables import STREAMS, BloscStreams, InnerStream
 
-__all__ = ["BLOSC", "STREAMS", "Blosc", "InnerStream"]
+__all__ = [
+    "BLOSC",
+    "STREAMS",
+    "Blosc",
+    "BloscEncode",
+    "BloscStreams",
+    "InnerStream",
+    "decode_host",
+    "parse_arena",
+    "parse_frames",
+    "shuffle",
+    "unshuffle",
+]
 
 #: Blosc compressors (as the metadata names them) whose streams nvCOMP decodes
 #: (blosclz and snappy have no decoder; lz4hc writes LZ4 streams).
@@ -88,6 +112,11 @@ class Blosc(Format):
         parse_frames(chunks, keys, nbytes)
         return True  # every frame declares nbytes
 
+    def decode_frames(self, *frames: Any, **runtime: Any) -> Any:
+        """:func:`~xarray_gds.codecs.formats.blosc.decode.decode_device` (see
+        :meth:`Format.decode_frames <xarray_gds.codecs.formats.base.Format.decode_frames>`)."""
+        return decode_device(*frames, **runtime)
+
 
 def _cname(codec: Any) -> str:
     cname = codec.cname
@@ -97,5 +126,6 @@ def _cname(codec: Any) -> str:
 #: The Blosc1 format.
 BLOSC = Blosc(
     name="blosc",
+    container=True,
     rates=Rates(gpu_chunk=270e6, gpu_batch=42.8e9, host_thread=1.83e9),
 )

@@ -1,12 +1,15 @@
 """Blosc1 frames made in batches: shuffle, compress every block of every chunk in one
-call, then lay out the frames (the layout is described in :mod:`xarray_gds.codecs.blosc`).
+call, then lay out the frames (the layout is described in
+:mod:`xarray_gds.codecs.formats.blosc.tables`).
 
 No GPU library writes Blosc frames; they are simple containers, so the encoder makes
 them itself from three steps, each a function of an array module (numpy or CuPy) so
 that CI runs the same code on the host:
 
-1. :func:`shuffle`: the byte or bit shuffle of every block (the exact inverse of
-   :func:`xarray_gds.codecs.blosc.unshuffle`, block by block, leftover bytes as is);
+1. :func:`~xarray_gds.codecs.formats.blosc.shuffles.shuffle`: the byte or bit shuffle
+   of every block (the exact inverse of
+   :func:`~xarray_gds.codecs.formats.blosc.shuffles.unshuffle`, block by block,
+   leftover bytes as is);
 2. a ``compress`` callable that turns the blocks into raw streams of the inner format
    (one nvCOMP batch call on the GPU, :func:`compress_host` here);
 3. :func:`frame_layout` (host, numpy, sizes only) places the frames, the block starts
@@ -31,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds.codecs.blosc import (
+from xarray_gds.codecs.formats.blosc.shuffles import shuffle
+from xarray_gds.codecs.formats.blosc.tables import (
     _BITSHUFFLE,
     _DONT_SPLIT,
     _MEMCPYED,
@@ -52,7 +56,6 @@ __all__ = [
     "encode_frames",
     "frame_layout",
     "gather_host",
-    "shuffle",
     "write_tables",
 ]
 
@@ -60,9 +63,9 @@ __all__ = [
 #: runs fastest on inputs of about this size (see docs/performance.md).
 DEFAULT_BLOCKSIZE = 1 << 18
 
-#: Compressor code (flags bits 5-7, the decoder's :data:`~xarray_gds.codecs.blosc.CNAMES`)
-#: of each Blosc compressor the encoder writes: those with a batched decoder, and lz4hc
-#: (LZ4 streams).
+#: Compressor code (flags bits 5-7, the decoder's
+#: :data:`~xarray_gds.codecs.formats.blosc.tables.CNAMES`) of each Blosc compressor the
+#: encoder writes: those with a batched decoder, and lz4hc (LZ4 streams).
 _CODES = {name: CNAMES.index(name) for name in STREAMS} | {"lz4hc": CNAMES.index("lz4")}
 #: Blosc compressors whose frames the encoder writes (lz4hc: LZ4 streams).
 ENCODED_CNAMES = frozenset(_CODES)
@@ -106,7 +109,7 @@ class BloscEncode:
 
     @property
     def inner(self) -> InnerStream:
-        """How the streams are stored (:data:`xarray_gds.codecs.blosc.STREAMS`)."""
+        """How the streams are stored (:data:`~xarray_gds.codecs.formats.blosc.tables.STREAMS`)."""
         return STREAMS["lz4" if self.cname == "lz4hc" else self.cname]
 
     def block_size(self, nbytes: int) -> int:
@@ -122,67 +125,10 @@ class BloscEncode:
         bits = {0: 0, 1: _SHUFFLE, 2: _BITSHUFFLE}[self.shuffle]
         return bits | _DONT_SPLIT | _CODES[self.cname] << 5
 
-
-def _shuffle_blocks(blocks: Any, typesize: int, mode: int, xp: Any) -> Any:
-    """The shuffled whole elements of the rows of ``blocks`` (each one block), or None
-    when c-blosc stores such a block as is (see :func:`xarray_gds.codecs.blosc.unshuffle`)."""
-    size = blocks.shape[1]
-    elements = size // typesize
-    whole = elements * typesize
-    if elements == 0:
-        return None
-    part = xp.ascontiguousarray(blocks[:, :whole])
-    if mode == 1:
-        planes = part.reshape(-1, elements, typesize).transpose(0, 2, 1)
-        return xp.ascontiguousarray(planes).reshape(-1, whole)
-    if elements % 8:
-        return None
-    # bit k of byte j of element e goes to bit e % 8 of byte e // 8 of row (j, k)
-    bits = xp.unpackbits(part.reshape(-1), bitorder="little")
-    bits = bits.reshape(-1, elements, typesize, 8).transpose(0, 2, 3, 1)
-    packed = xp.packbits(xp.ascontiguousarray(bits).reshape(-1), bitorder="little")
-    return packed.reshape(-1, whole)
-
-
-def shuffle(data: Any, typesize: int, blocksize: int, mode: int, *, xp: Any = np) -> Any:
-    """Blosc's byte (``mode=1``) or bit (``mode=2``) shuffle of every block of every row.
-
-    Parameters
-    ----------
-    data : numpy.ndarray or cupy.ndarray
-        ``(n, nbytes)`` uint8: one chunk's bytes a row.
-    typesize, blocksize : int
-        Bytes an element and a block (the last block of a row may be shorter).
-    mode : int
-        0 none (``data`` is returned), 1 byte shuffle, 2 bit shuffle.
-    xp : module
-        ``numpy`` or ``cupy``, the array module of ``data``.
-
-    Returns
-    -------
-    array
-        ``(n, nbytes)`` uint8, what :func:`xarray_gds.codecs.blosc.unshuffle` undoes.
-    """
-    n, nbytes = data.shape
-    if mode == 0 or (mode == 1 and typesize == 1) or nbytes == 0:
-        return data
-    out = xp.empty_like(data)  # every span is written below
-    nfull = nbytes // blocksize
-    for start, stop, size in ((0, nfull * blocksize, blocksize), (nfull * blocksize, nbytes, 0)):
-        size = size or stop - start
-        if stop == start:
-            continue
-        blocks = data[:, start:stop].reshape(-1, size)
-        done = _shuffle_blocks(blocks, typesize, mode, xp)
-        if done is None:  # blocks c-blosc stores as they are
-            out[:, start:stop] = data[:, start:stop]
-            continue
-        if done.shape[1] < size:
-            blocks = blocks.copy()
-            blocks[:, : done.shape[1]] = done
-            done = blocks
-        out[:, start:stop] = done.reshape(n, stop - start)
-    return out
+    def encode(self, data: Any, **options: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`encode_frames` of ``data`` with these settings (``options``: its
+        keyword arguments)."""
+        return encode_frames(self, data, **options)
 
 
 @dataclass(frozen=True)
