@@ -245,7 +245,14 @@ def test_device_box_reads_only_of_chains_the_device_decodes(
     assert (region._plan(array, key, "cuda") is not None) == box_read
 
 
-# -- locking.py -----------------------------------------------------------------------------
+# -- stores/lock.py ----------------------------------------------------------------------
+def _writer_lock(store: Any, timeout: float | None = 600.0) -> Any:
+    """The writer lock of ``store``, taken as a write takes it (its kind's source)."""
+    from xarray_gds.stores import source_for
+
+    return source_for(store).writer_lock(timeout)
+
+
 def test_lock_timeout_default_is_the_documented_600_s() -> None:
     """locking ``DEFAULT_TIMEOUT = 600.0`` -> ``601.0``: ``to_zarr``'s docstring says a writer
     waits 600 s by default; the default it has, and the lock's, are that."""
@@ -257,7 +264,8 @@ def test_lock_timeout_default_is_the_documented_600_s() -> None:
     assert "600 by default" in (xarray_gds.to_zarr.__doc__ or "")
     default = inspect.signature(xarray_gds.to_zarr).parameters["lock_timeout"].default
     assert default == 600.0
-    assert inspect.signature(locking.writer_lock).parameters["timeout"].default == 600.0
+    for cls in (locking.FileLock, locking.ProcessLock):
+        assert inspect.signature(cls.acquire).parameters["timeout"].default == 600.0
 
 
 def test_releasing_a_memory_lock_not_held_gives_nothing_back() -> None:
@@ -266,21 +274,21 @@ def test_releasing_a_memory_lock_not_held_gives_nothing_back() -> None:
     back when released, so the writer that holds the lock keeps it."""
     from zarr.storage import MemoryStore
 
-    from xarray_gds.stores.lock import WriterLock, writer_lock
+    from xarray_gds.stores import lock as locking
 
     store = MemoryStore()
-    first = writer_lock(store)
+    first = _writer_lock(store)
     first.release()
     first.release()  # a second release: nothing
-    holder = writer_lock(store, timeout=0)
+    holder = _writer_lock(store, timeout=0)
     try:
-        WriterLock(store).release()  # never taken: nothing
+        locking.ProcessLock(str(store), store).release()  # never taken: nothing
         first.release()
         with pytest.raises(TimeoutError, match="being written by another writer"):
-            writer_lock(store, timeout=0)
+            _writer_lock(store, timeout=0)
     finally:
         holder.release()
-    writer_lock(store, timeout=0).release()
+    _writer_lock(store, timeout=0).release()
 
 
 def test_lock_file_mode_follows_the_umask(tmp_path: Path) -> None:
@@ -291,13 +299,17 @@ def test_lock_file_mode_follows_the_umask(tmp_path: Path) -> None:
 
     from zarr.storage import LocalStore
 
-    from xarray_gds.stores.lock import lock_path, writer_lock
+    from xarray_gds.stores.lock import lock_path
 
     umask = os.umask(0o022)
     os.umask(umask)
     root = tmp_path / "s.zarr"
-    writer_lock(LocalStore(root)).release()
-    assert stat.S_IMODE(lock_path(root).stat().st_mode) == 0o666 & ~umask
+    held = _writer_lock(LocalStore(root))
+    try:
+        assert stat.S_IMODE(lock_path(root).stat().st_mode) == 0o666 & ~umask
+    finally:
+        held.release()
+    assert not lock_path(root).exists()
 
 
 def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> None:
@@ -310,12 +322,12 @@ def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> Non
     from zarr.storage import LocalStore
 
     import xarray_gds
-    from xarray_gds.stores.lock import lock_path, writer_lock
+    from xarray_gds.stores.lock import lock_path
 
     root = tmp_path / "s.zarr"
     lock_path(root).mkdir(parents=True)
     with pytest.warns(RuntimeWarning, match="cannot make the writer lock file") as caught:
-        writer_lock(LocalStore(root)).release()
+        _writer_lock(LocalStore(root)).release()
     (warning,) = caught
     assert str(lock_path(root)) in str(warning.message)
     assert warning.filename == __file__, warning.filename
@@ -340,7 +352,7 @@ def test_a_file_lock_waiter_polls_from_1_ms_doubling_up_to_50_ms(
 
     store = LocalStore(tmp_path / "s.zarr")
     for timeout in (None, 30.0):
-        holder = locking.writer_lock(store)
+        holder = _writer_lock(store)
         slept: list[float] = []
 
         def sleep(seconds: float, holder: Any = holder, slept: list[float] = slept) -> None:
@@ -349,7 +361,7 @@ def test_a_file_lock_waiter_polls_from_1_ms_doubling_up_to_50_ms(
                 holder.release()  # the waiter takes it at its next try
 
         monkeypatch.setattr(locking.time, "sleep", sleep)
-        waiter = _bounded(lambda timeout=timeout: locking.writer_lock(store, timeout))
+        waiter = _bounded(lambda timeout=timeout: _writer_lock(store, timeout))
         waiter.release()
         monkeypatch.undo()
         assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05], timeout
@@ -366,7 +378,7 @@ def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -
 
     store = MemoryStore()
     key = str(store)
-    locking.writer_lock(store).release()  # the store's lock exists
+    _writer_lock(store).release()  # the store's lock exists
     real = locking._memory_locks[key]
     asked: list[float] = []
 
@@ -380,12 +392,12 @@ def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setitem(locking._memory_locks, key, Spy())
     for timeout in (None, 2.5, -3.0):
-        locking.writer_lock(store, timeout).release()
+        _writer_lock(store, timeout).release()
     assert asked == [-1, 2.5, 0.0]
-    holder = locking.writer_lock(store)
+    holder = _writer_lock(store)
     try:
         with pytest.raises(TimeoutError, match="being written by another writer"):
-            _bounded(lambda: locking.writer_lock(store, -3.0))
+            _bounded(lambda: _writer_lock(store, -3.0))
     finally:
         holder.release()
 
