@@ -664,8 +664,8 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
 
     with pytest.raises(
         ConnectionError,
-        match=r"chunk '(t|n)/c/[\d/]+' of the remote Zarr store 's3://creds/one.zarr': the "
-        r"server cannot be reached.*endpoint_url",
+        match=r"chunk '(t|n)/c/[\d/]+' of the remote Zarr store 's3://creds/one.zarr'"
+        r"( after 3 tries)?: the server cannot be reached.*endpoint_url",
     ) as gone:
         ds.load()
     texts += [str(gone.value), repr(gone.value), caplog.text]
@@ -678,6 +678,7 @@ def test_credentials_never_appear(tmp_path, caplog, capsys):
 
 def test_http_header_secret_never_in_retry_logs(faulty, caplog):
     import logging
+    import re
 
     caplog.set_level(logging.DEBUG, logger="xarray_gds")
     options = {"headers": {"Authorization": f"Bearer {LEAK}"}}
@@ -686,7 +687,8 @@ def test_http_header_secret_never_in_retry_logs(faulty, caplog):
     with pytest.raises(ConnectionError, match=r"after 3 tries") as err:
         ds.t.load()
     retries = [r.getMessage() for r in caplog.records if r.name == "xarray_gds.stores.remote"]
-    assert any("try 1 of 3 failed (ClientPayloadError" in m for m in retries)
+    # aiohttp's error (fsspec) or the engine's own for obstore's
+    assert any(re.search(r"try 1 of 3 failed \((ClientPayloadError|BodyCut)", m) for m in retries)
     for text in [*retries, caplog.text, str(err.value), repr(ds), repr(ds.t.variable._data)]:
         assert LEAK not in text
 

@@ -24,6 +24,7 @@ from xarray_gds.stores.base import (
     Opened,
     Ranges,
     Source,
+    Stream,
     WriterLock,
     join,
     kinds,
@@ -34,6 +35,7 @@ from xarray_gds.stores.base import (
     read_joined,
     register,
     source_for,
+    stream,
 )
 from xarray_gds.stores.generic import MemorySource, StoreSource
 from xarray_gds.stores.icechunk import IcechunkSource
@@ -52,6 +54,7 @@ __all__ = [
     "RemoteSource",
     "Source",
     "StoreSource",
+    "Stream",
     "WriterLock",
     "join",
     "kinds",
@@ -62,6 +65,7 @@ __all__ = [
     "read_joined",
     "register",
     "source_for",
+    "stream",
 ]
 
 # the order they are asked in: a reference set may be a path or an s3:// URL, so
