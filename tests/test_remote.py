@@ -288,6 +288,23 @@ def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
     assert remote.list_sizes(nowhere, keys) is None
 
 
+def test_obstore_listing_gives_the_sizes_of_whole_objects(s3, s3_store):
+    """The same listing through obstore (the store the engine opens an s3:// URL
+    with): sizes as the server has them, absent keys known missing."""
+    from xarray_gds.backend import open_store
+    from xarray_gds.stores import objstore, remote
+
+    store = open_store(s3_store, storage_options=s3)
+    assert objstore.inner(store) is not None
+    fs = s3fs.S3FileSystem(**s3)
+    present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
+    keys = [*present, "t/c/9/9/9"]
+    listing = remote.list_sizes(store, keys)
+    assert listing is not None
+    assert listing.sizes == {k: fs.size(f"{s3_store[5:]}/{k}") for k in present}
+    assert listing.missing("t/c/9/9/9") and not any(listing.missing(k) for k in present)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gap", [None, -1])
 def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
