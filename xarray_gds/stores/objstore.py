@@ -34,11 +34,14 @@ __all__ = [
     "HttpStatus",
     "Prefetch",
     "RemoteObjectStore",
+    "Unreachable",
     "UntrustedCertificate",
     "as_error",
     "available",
+    "fetch",
     "inner",
     "obstore_for",
+    "options_of",
     "store_url",
 ]
 
