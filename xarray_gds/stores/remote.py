@@ -106,7 +106,8 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     except ImportError as err:
         failure = ImportError(
             f"reading {shown!r} needs fsspec's filesystem for it "
-            f"({redact(str(err), options, url)}); install s3fs for s3:// URLs or aiohttp "
+            f"({redact(str(err), options, url)}); install obstore (the remote extra: "
+            "pip install 'xarray-gds[remote]'), or install s3fs for s3:// URLs or aiohttp "
             "for http(s):// URLs"
         )
     except Exception as err:
