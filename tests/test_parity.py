@@ -181,11 +181,13 @@ def test_storage_options_are_passed_to_zarr(v3_path: Path, tree_path: Path, devi
 def test_remote_url_without_its_filesystem_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """URLs open through fsspec (tests/test_remote.py reads them from loopback
-    servers); without the filesystem package the error says which one to install."""
+    """URLs open through obstore, or fsspec where it is not installed
+    (tests/test_remote.py reads them from loopback servers); with neither the error
+    says which package to install."""
     registry = importlib.import_module("fsspec.registry")  # the module, not its mapping
 
-    monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs now fails
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore now fails
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # and so does import s3fs
     # fsspec keeps the class of every filesystem it has imported once (an earlier test's
     # S3 reads): forget it for this test, so that fsspec imports s3fs again
     monkeypatch.delitem(registry._registry, "s3", raising=False)

@@ -119,10 +119,12 @@ class TestReferences(StoreKindTests):
 
 
 class TestRemote(StoreKindTests):
-    """Objects over HTTP (the suite's loopback server), through fsspec on the host and
+    """Objects over HTTP (the suite's loopback server), through obstore on the host and
     a kvikio stand-in on the device."""
 
     kind = stores.RemoteSource
+    #: storage options of the open (none: obstore's HTTPStore)
+    options: dict[str, Any] | None = None
 
     @pytest.fixture
     def store(self, tmp_path: Path, held: dict[str, bytes]) -> Iterator[Any]:
@@ -131,7 +133,7 @@ class TestRemote(StoreKindTests):
         (root / "r.zarr" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
         with serve(root) as base:
             self.url = f"{base}/r.zarr"
-            yield stores.RemoteSource.open(self.url, mode="r", storage_options=None).store
+            yield stores.RemoteSource.open(self.url, mode="r", storage_options=self.options).store
 
     def target(self, tmp_path: Path, store: Any) -> Any:
         return self.url
@@ -139,6 +141,12 @@ class TestRemote(StoreKindTests):
     def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
         (tmp_path / "served" / "r.zarr" / key).write_bytes(b"xx")  # cut short
         return True
+
+
+class TestRemoteFsspec(TestRemote):
+    """The same through fsspec's HTTP filesystem (an option only it takes)."""
+
+    options = {"encoded": True}  # noqa: RUF012 (read only)
 
 
 class TestIcechunk(StoreKindTests):

@@ -63,7 +63,9 @@ def open_store(
     if isinstance(filename_or_obj, Store):
         return filename_or_obj
     mode = "r" if read_only else "r+"
-    return _opened(filename_or_obj, mode, storage_options, None).store
+    store = _opened(filename_or_obj, mode, storage_options, None).store
+    _finish_open(store)
+    return store
 
 
 def _opened(
@@ -229,15 +231,28 @@ def _open_stores(
     root = group
     if all_groups:  # the root of the groups, as a path from the store's root
         root = str(NodePath("/") / NodePath(group)) if group else "/"
-    return group, _open_zarr_stores(
-        store,
-        group=root,
-        mode=mode,
-        consolidated=consolidated,
-        storage_options=storage_options,
-        all_groups=all_groups,
-        **kwargs,
-    )
+    try:
+        return group, _open_zarr_stores(
+            store,
+            group=root,
+            mode=mode,
+            consolidated=consolidated,
+            storage_options=storage_options,
+            all_groups=all_groups,
+            **kwargs,
+        )
+    finally:
+        _finish_open(store)
+
+
+def _finish_open(store: Any) -> None:
+    """End the open of a store that holds the metadata documents read while it opens
+    (a remote store the engine opened: its check that a store is there, the
+    consolidated metadata and xarray's open of the group ask the server once for each
+    document); later reads go to the server."""
+    finish = getattr(store, "finish_open", None)
+    if callable(finish):
+        finish()
 
 
 def _open_zarr_stores(

@@ -418,6 +418,10 @@ def _serve_streamed(group: list[_Request]) -> None:
     tasks = [(n, j) for n, r in enumerate(group) for j in range(len(r.paths))]
     found = [np.zeros(len(r.paths), dtype=bool) for r in group]
     errors: list[BaseException | None] = [None] * len(group)
+    # a kind whose reads wait on a network starts them all here (see Source.stream)
+    reads = stores.stream(
+        [group[n].source for n, _ in tasks], [group[n].paths[j] for n, j in tasks]
+    )
 
     def one(t: int) -> None:
         n, j = tasks[t]
@@ -425,7 +429,7 @@ def _serve_streamed(group: list[_Request]) -> None:
         if errors[n] is not None:
             return
         try:
-            raw = r.source.read_one(r.paths[j])
+            raw = reads.get(t)
             if raw is None:  # a missing chunk: the fill value
                 return
             _, chunk = decode.decode_fetched(r.chain, [raw], decode.Picked(r.keys, [j]), False)
@@ -435,7 +439,10 @@ def _serve_streamed(group: list[_Request]) -> None:
         except Exception as err:  # the request's, raised in the thread that asked
             errors[n] = err
 
-    parallel(one, len(tasks), min_items=2)
+    try:
+        parallel(one, len(tasks), min_items=2)
+    finally:
+        reads.close()
     for n, r in enumerate(group):
         if errors[n] is not None:
             r.error = errors[n]

@@ -35,6 +35,7 @@ __all__ = [
     "Opened",
     "Ranges",
     "Source",
+    "Stream",
     "WriterLock",
     "join",
     "kinds",
@@ -45,6 +46,7 @@ __all__ = [
     "read_joined",
     "register",
     "source_for",
+    "stream",
 ]
 
 
@@ -64,6 +66,28 @@ class WriterLock(Protocol):
     """A writer lock taken by :meth:`Source.writer_lock`."""
 
     def release(self) -> None: ...
+
+
+class Stream(Protocol):
+    """The reads of a group streamed chunk by chunk (:meth:`Source.stream`)."""
+
+    def get(self, i: int) -> np.ndarray | None: ...
+
+    def close(self) -> None: ...
+
+
+class _OneByOne:
+    """:meth:`Source.stream` by default: each location read when asked for."""
+
+    def __init__(self, sources: Sequence[Any], locations: list[Any]) -> None:
+        self.sources, self.locations = sources, locations
+
+    def get(self, i: int) -> np.ndarray | None:
+        found: np.ndarray | None = self.sources[i].read_one(self.locations[i])
+        return found
+
+    def close(self) -> None:
+        return None
 
 
 class Source(abc.ABC):
@@ -172,6 +196,16 @@ class Source(abc.ABC):
         and sizes; shards' inner chunks): a DeviceBatch when ``on_device``, else a
         HostBatch."""
 
+    @classmethod
+    def stream(cls, sources: Sequence[Any], locations: list[Any]) -> Stream:
+        """The whole locations of a group read chunk by chunk (sources that declare
+        ``streams``): :meth:`Stream.get` of item ``i`` is location ``i`` on the host
+        (``None`` where missing), asked for by the host pool's threads, each decoding
+        what it got before it asks for the next. By default each is read when asked
+        (:meth:`read_one`); a kind whose reads wait on a network starts them all at
+        once here, so that they overlap the decoding."""
+        return _OneByOne(sources, locations)
+
     def read_one(self, location: Any) -> np.ndarray | None:
         """One location, whole, on the host (``None`` where missing): the reads of
         chunks streamed one by one (sources that declare ``streams``)."""
@@ -272,6 +306,38 @@ def open_target(
 
 
 # -- reading several kinds at once -------------------------------------------------------
+
+
+class _Streams:
+    """:meth:`Source.stream` of locations of several kinds: one stream a kind."""
+
+    def __init__(self, sources: Sequence[Source], locations: list[Any]) -> None:
+        self.at: list[tuple[Stream, int]] = [(_NONE, 0)] * len(locations)
+        self.parts: list[Stream] = []
+        for cls in sorted({type(s) for s in sources}, key=lambda c: c.__qualname__):
+            idx = [i for i, s in enumerate(sources) if type(s) is cls]
+            part = cls.stream([sources[i] for i in idx], [locations[i] for i in idx])
+            self.parts.append(part)
+            for k, i in enumerate(idx):
+                self.at[i] = (part, k)
+
+    def get(self, i: int) -> np.ndarray | None:
+        part, k = self.at[i]
+        return part.get(k)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+_NONE: Stream = _OneByOne([], [])
+
+
+def stream(sources: Sequence[Source], locations: list[Any]) -> Stream:
+    """The whole locations of a group streamed chunk by chunk (see
+    :meth:`Source.stream`), whichever kinds of source hold them; :meth:`Stream.close`
+    it when done."""
+    return _Streams(sources, locations)
 
 
 def read(

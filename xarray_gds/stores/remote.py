@@ -1,12 +1,15 @@
-"""Remote Zarr stores (``s3://``, ``http://``, ``https://``): opened through fsspec.
+"""Remote Zarr stores (``s3://``, ``http://``, ``https://``): opened through obstore,
+or fsspec where obstore cannot serve them.
 
-This is the host route: chunk bytes come through zarr's
-:class:`~zarr.storage.FsspecStore` (s3fs for S3, fsspec's HTTP filesystem for HTTP)
-and are read by the engine's :class:`~xarray_gds.stores.StoreSource`, then decoded
-in the same batches as local chunks. Credentials, endpoint and region come from
-``storage_options`` as s3fs takes them (``key``, ``secret``, ``token``, ``anon``,
-``endpoint_url``, ``client_kwargs={"region_name": ...}``) or from the usual AWS
-environment variables and config files (s3fs/botocore read them).
+A URL opened for reading becomes a zarr ``ObjectStore`` over obstore's ``S3Store`` or
+``HTTPStore`` (:mod:`xarray_gds.stores.objstore`): one ``GET`` a chunk, every chunk of a
+batch in flight at once, no ``HEAD`` before it. Where obstore is not installed, for
+writes, and for ``storage_options`` only fsspec understands (an aiohttp ``ssl``
+context, a botocore profile...), it is zarr's :class:`~zarr.storage.FsspecStore` (s3fs
+for S3, fsspec's HTTP filesystem for HTTP), as before. Credentials, endpoint and region
+come from ``storage_options`` as s3fs takes them (``key``, ``secret``, ``token``,
+``anon``, ``endpoint_url``, ``client_kwargs={"region_name": ...}``) or from the usual
+AWS environment variables (and for s3fs, config files).
 
 URLs, secrets kept out of errors and logs, and the retry policy of reads are
 :mod:`xarray_gds.stores.urls`'s (what every remote kind shares); this module opens a
@@ -26,6 +29,7 @@ import numpy as np
 
 from xarray_gds import config
 from xarray_gds.batch import DeviceBatch, Fetched, HostBatch
+from xarray_gds.stores import objstore
 from xarray_gds.stores.base import Opened, Ranges, merge_ranges, on_side, read_joined
 from xarray_gds.stores.generic import StoreSource
 from xarray_gds.stores.urls import (
@@ -41,6 +45,7 @@ from xarray_gds.stores.urls import (
     read_error,
     redact,
     retries_itself,
+    store_options,
     store_url,
     transient,
     with_timeout,
@@ -59,8 +64,11 @@ logger = logging.getLogger(__name__)
 
 
 def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: bool = True) -> Any:
-    """A zarr :class:`~zarr.storage.FsspecStore` for a remote ``url``, checked to hold a
-    Zarr store (root metadata present) when ``read_only``.
+    """A zarr store for a remote ``url``, checked to hold a Zarr store (root metadata
+    present) when ``read_only``: a :class:`~xarray_gds.stores.objstore.RemoteObjectStore`
+    (obstore) for reading where obstore takes the URL and its ``storage_options`` (it
+    holds the metadata it read until the engine's open ends), else a
+    :class:`~zarr.storage.FsspecStore`.
 
     Raises
     ------
@@ -76,19 +84,30 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     from zarr.core.sync import sync
     from zarr.storage import FsspecStore
 
-    options = with_timeout(url, dict(storage_options or {}))
+    options = dict(storage_options or {})
     shown = public_url(url)
     if shown != url:
         mask_logs()
     # every error is raised outside its ``except`` block, so that the library's own
     # error (whose text may hold the URL's password) is not chained as __context__
     failure: BaseException | None = None
+    store: Any = None
     try:
-        store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
+        if read_only:
+            obj = objstore.obstore_for(url, options)
+            if obj is not None:
+                store = objstore.RemoteObjectStore(
+                    obj, read_only=True, url=public_url(url), options=options
+                )
+                store.start_open()  # the probe's documents serve zarr's open too
+        if store is None:
+            options = with_timeout(url, options)
+            store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as err:
         failure = ImportError(
             f"reading {shown!r} needs fsspec's filesystem for it "
-            f"({redact(str(err), options, url)}); install s3fs for s3:// URLs or aiohttp "
+            f"({redact(str(err), options, url)}); install obstore (the remote extra: "
+            "pip install 'xarray-gds[remote]'), or install s3fs for s3:// URLs or aiohttp "
             "for http(s):// URLs"
         )
     except Exception as err:
@@ -106,8 +125,9 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
 
     try:
         found = sync(probe())
-    except Exception as err:
-        if isinstance(err, PermissionError) or getattr(err, "status", None) in (401, 403):
+    except Exception as raised:
+        fault = objstore.as_error(raised)
+        if isinstance(fault, PermissionError) or getattr(fault, "status", None) in (401, 403):
             failure = PermissionError(
                 fail(
                     url,
@@ -115,11 +135,11 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
                     "access denied (HTTP 403): check the credentials "
                     "(storage_options key/secret, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) "
                     "and the bucket's policy",
-                    err,
+                    fault,
                 )
             )
         else:
-            failure = classified(url, options, err) or err
+            failure = classified(url, options, fault) or fault
     if failure is not None:
         raise failure from None
     if not found:
@@ -127,7 +147,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
         if is_s3(url):
             bucket = shown.split("://", 1)[1].split("/", 1)[0]
             try:
-                exists = bool(sync(store.fs._exists(bucket)))
+                exists = bool(sync(_bucket_exists(store, bucket)))
             except Exception:
                 exists = True
             if not exists:
@@ -136,49 +156,55 @@ def open_url(url: str, storage_options: dict[str, Any] | None, *, read_only: boo
     return store
 
 
+async def _bucket_exists(store: Any, bucket: str) -> bool:
+    """Whether the bucket of an S3 store exists (asked when its root has no metadata)."""
+    obj = objstore.inner(store)
+    if obj is None:
+        return bool(await store.fs._exists(bucket))
+    import obstore
+
+    try:  # a listing of one object: NoSuchBucket is a 404
+        stream = obstore.list(obj, chunk_size=1)
+        await stream.__anext__()
+    except StopAsyncIteration:
+        return True
+    except Exception as err:
+        return not isinstance(objstore.as_error(err), FileNotFoundError) and (
+            "NoSuchBucket" not in str(err)
+        )
+    return True
+
+
 # -- host route: the store's own get, with bounded retries --------------------------
 
 
-def read_host(
+def _reader(
     stores: list[Any],
     keys: list[str],
-    ranges: tuple[np.ndarray, np.ndarray] | None = None,
-    attempts: int = READ_ATTEMPTS,
-) -> list[np.ndarray | None]:
-    """Objects ``keys[i]`` of ``stores[i]`` (or ``sizes[i]`` bytes at ``starts[i]`` of
-    them, with ``ranges``) read through the stores' ``get``, all in flight at once, as
-    uint8 arrays (``None`` for a missing object).
-
-    A read that fails with a transient fault (see :func:`_transient`) is tried again,
-    at most ``attempts`` times in all (once where the filesystem retries itself, as
-    s3fs does). A body shorter than its Content-Length raises in aiohttp; a range that
-    comes back shorter than asked is caught here: neither is ever returned as data.
-
-    Raises
-    ------
-    ConnectionError
-        The server cannot be reached or cut the body short, on every try.
-    TimeoutError
-        The server did not answer within the timeout set in ``storage_options``.
-    PermissionError
-        HTTP 401/403 (not tried again).
-    """
-    import zarr
+    ranges: tuple[np.ndarray, np.ndarray] | None,
+    attempts: int,
+) -> Any:
+    """``read(i)``: the coroutine that reads item ``i`` (see :func:`read_host`), with the
+    bounded retries of transient faults."""
     from zarr.abc.store import RangeByteRequest
     from zarr.core.buffer import cpu
-    from zarr.core.sync import sync
 
     async def once(i: int) -> np.ndarray | None:
-        request = None
+        start = size = None
         if ranges is not None:
-            start = int(ranges[0][i])
-            request = RangeByteRequest(start, start + int(ranges[1][i]))
-        got = await stores[i].get(keys[i], prototype=cpu.buffer_prototype, byte_range=request)
-        if got is None:
+            start, size = int(ranges[0][i]), int(ranges[1][i])
+        obj = objstore.inner(stores[i])
+        if obj is not None:  # obstore straight: one GET, no zarr Buffer between
+            raw = await objstore.fetch(obj, keys[i], start, size)
+            data = None if raw is None else np.frombuffer(raw, dtype=np.uint8)
+        else:
+            request = None if start is None else RangeByteRequest(start, start + (size or 0))
+            got = await stores[i].get(keys[i], prototype=cpu.buffer_prototype, byte_range=request)
+            data = None if got is None else np.asarray(got.as_numpy_array()).view(np.uint8)
+        if data is None:
             return None
-        data = np.asarray(got.as_numpy_array()).view(np.uint8)
-        if ranges is not None and data.size != int(ranges[1][i]):
-            raise ShortBody(f"{data.size} of the {int(ranges[1][i])} bytes asked for came")
+        if size is not None and data.size != size:
+            raise ShortBody(f"{data.size} of the {size} bytes asked for came")
         return data
 
     async def one(i: int) -> np.ndarray | None:
@@ -192,7 +218,6 @@ def read_host(
             # may hold credentials) is not chained as __context__
             if n == tries or not transient(failed):
                 raise read_error(stores[i], keys[i], n, failed) from None
-            fs = getattr(stores[i], "fs", None)
             logger.debug(
                 "chunk %r of %r: try %d of %d failed (%s), trying again",
                 keys[i],
@@ -201,21 +226,61 @@ def read_host(
                 tries,
                 redact(
                     f"{type(failed).__name__}: {failed}",
-                    getattr(fs, "storage_options", None),
+                    store_options(stores[i]),
                     str(getattr(stores[i], "path", "")),
                 ),
             )
             await asyncio.sleep(BACKOFF[min(n, len(BACKOFF)) - 1])
         raise AssertionError("unreachable")  # the loop returns or raises
 
+    return one
+
+
+def _concurrency(n: int) -> int:
+    import zarr
+
+    return int(zarr.config.get("async.concurrency") or n or 1)
+
+
+def read_host(
+    stores: list[Any],
+    keys: list[str],
+    ranges: tuple[np.ndarray, np.ndarray] | None = None,
+    attempts: int = READ_ATTEMPTS,
+) -> list[np.ndarray | None]:
+    """Objects ``keys[i]`` of ``stores[i]`` (or ``sizes[i]`` bytes at ``starts[i]`` of
+    them, with ``ranges``), all in flight at once, as uint8 arrays (``None`` for a
+    missing object): through obstore straight for an obstore store, else the store's
+    ``get``.
+
+    A read that fails with a transient fault (see :func:`~xarray_gds.stores.urls.transient`)
+    is tried again, at most ``attempts`` times in all (once where the filesystem retries
+    itself, as s3fs does). A body shorter than its Content-Length raises in the client;
+    a range that comes back shorter than asked is caught here: neither is ever returned
+    as data.
+
+    Raises
+    ------
+    ConnectionError
+        The server cannot be reached or cut the body short, on every try.
+    TimeoutError
+        The server did not answer within the timeout set in ``storage_options``.
+    PermissionError
+        HTTP 401/403 (not tried again).
+    """
+    from zarr.core.sync import sync
+
+    one = _reader(stores, keys, ranges, attempts)
+
     async def every() -> list[np.ndarray | None]:
         # as many in flight as zarr allows; the first read that fails for good cancels
         # the others (no more tries against a server that is gone)
-        limit = asyncio.Semaphore(int(zarr.config.get("async.concurrency") or len(keys) or 1))
+        limit = asyncio.Semaphore(_concurrency(len(keys)))
 
         async def bounded(i: int) -> np.ndarray | None:
             async with limit:
-                return await one(i)
+                found: np.ndarray | None = await one(i)
+                return found
 
         first: BaseException | None = None
         try:
@@ -231,12 +296,35 @@ def read_host(
     return found
 
 
+class HostStream:
+    """Whole objects ``keys[i]`` of ``stores[i]`` all requested at once (zarr's
+    ``async.concurrency`` in flight) while the host pool's threads take each as it
+    comes, decode it and place it (:meth:`get`): the reads of a batch overlap its
+    decoding. Retries and errors as :func:`read_host`."""
+
+    def __init__(self, stores: list[Any], keys: list[str]) -> None:
+        self._reads = objstore.Prefetch(
+            _reader(stores, keys, None, READ_ATTEMPTS), len(keys), _concurrency(len(keys))
+        )
+
+    def get(self, i: int) -> np.ndarray | None:
+        found: np.ndarray | None = self._reads.get(i)
+        return found
+
+    def close(self) -> None:
+        self._reads.close()
+
+
 # -- device route: kvikio RemoteFile ---------------------------------------------------
 
 
 def kvikio_target(store: Any) -> tuple[str, dict[str, Any]] | None:
     """``(base URL, kvikio open arguments)`` of an fsspec store kvikio's ``RemoteFile``
-    can read (S3 through s3fs, HTTP(S)), or ``None``."""
+    can read (S3 through s3fs, HTTP(S)), or of an obstore ``ObjectStore`` over
+    ``S3Store`` / ``HTTPStore``, or ``None``."""
+    obj = objstore.inner(store)
+    if obj is not None:
+        return _obstore_target(store, obj)
     fs = getattr(store, "fs", None)
     path = getattr(store, "path", None)
     if fs is None or path is None:
@@ -255,6 +343,26 @@ def kvikio_target(store: Any) -> tuple[str, dict[str, Any]] | None:
     if protocol in ("http", "https"):
         return path.rstrip("/"), {}
     return None
+
+
+def _obstore_target(store: Any, obj: Any) -> tuple[str, dict[str, Any]]:
+    """:func:`kvikio_target` of an obstore store: its URL, and for S3 the credentials,
+    endpoint and region of its configuration."""
+    url = objstore.store_url(store)
+    if type(obj).__name__ == "HTTPStore":
+        return str(obj.url).rstrip("/"), {}
+    config = dict(obj.config or {})
+    args = {
+        "aws_access_key_id": config.get("access_key_id"),
+        "aws_secret_access_key": config.get("secret_access_key"),
+        "aws_session_token": config.get("session_token"),
+        "aws_endpoint_url": config.get("endpoint"),
+        "aws_region_name": config.get("region"),
+    }
+    bucket = config.get("bucket", "")
+    prefix = str(obj.prefix or "").strip("/")
+    base = f"s3://{bucket}/{prefix}".rstrip("/") if bucket else url
+    return base, {k: v for k, v in args.items() if v}
 
 
 def _open_remote(kvikio: Any, url: str, args: dict[str, Any], nbytes: int | None = None) -> Any:
@@ -294,16 +402,18 @@ def list_sizes(store: Any, keys: list[str]) -> Listing | None:
     """Sizes of the objects ``keys`` of an S3 fsspec store, from a listing of their
     common prefix (``ListObjectsV2``: one request per 1,000 objects), for at least
     :data:`LIST_MIN_KEYS` keys; None when no listing is made or the server refuses one
-    (without ``s3:ListBucket`` permission, say): the reader then asks for each size."""
+    (without ``s3:ListBucket`` permission, say) or cannot list at all (a web server:
+    never taken for an empty listing): the reader then asks for each size."""
+    obj = objstore.inner(store)
+    if obj is not None:
+        return _list_obstore(obj, keys)
     fs = getattr(store, "fs", None)
     protocol = getattr(fs, "protocol", None)
     protocol = protocol if isinstance(protocol, str) else (protocol or ("",))[0]
     if len(keys) < LIST_MIN_KEYS or protocol not in ("s3", "s3a") or fs is None:
         return None
     bucket, _, root = str(store.path).strip("/").partition("/")
-    low, high = min(keys), max(keys)  # their common start is that of every key
-    n = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
-    common = low[: low.rfind("/", 0, n) + 1]  # a whole directory of the store
+    common = _common_directory(keys)  # a whole directory of the store
     prefix = f"{root}/{common}" if root else common
     pages = max(1, -(-len(keys) // 100) * LIST_PAGES_PER_100)
     wanted = set(keys)
@@ -338,11 +448,58 @@ def list_sizes(store: Any, keys: list[str]) -> Listing | None:
     return Listing(sizes, max(keys) if whole else last)
 
 
+def _common_directory(keys: list[str]) -> str:
+    """The longest directory (ending in ``/``) that holds every key."""
+    low, high = min(keys), max(keys)  # their common start is that of every key
+    n = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
+    return low[: low.rfind("/", 0, n) + 1]
+
+
+def _list_obstore(obj: Any, keys: list[str]) -> Listing | None:
+    """:func:`list_sizes` through obstore (an ``S3Store``; an ``HTTPStore`` lists
+    nothing)."""
+    if len(keys) < LIST_MIN_KEYS or type(obj).__name__ != "S3Store":
+        return None
+    import obstore
+
+    prefix = _common_directory(keys)
+    pages = max(1, -(-len(keys) // 100) * LIST_PAGES_PER_100)
+    wanted = set(keys)
+    sizes: dict[str, int] = {}
+    last: str | None = None
+
+    async def listing() -> bool:
+        nonlocal last
+        stream = obstore.list(obj, prefix or None, chunk_size=LIST_PAGE)
+        for _ in range(pages):
+            try:
+                page = await stream.__anext__()
+            except StopAsyncIteration:
+                return True
+            for item in page:
+                key = str(item["path"])
+                last = key
+                if key in wanted:
+                    sizes[key] = int(item["size"])
+        try:
+            await stream.__anext__()
+        except StopAsyncIteration:
+            return True
+        return False
+
+    from zarr.core.sync import sync
+
+    try:
+        whole = sync(listing())
+    except Exception:
+        return None  # refused or not answered (a web server: 501): sizes asked for
+    return Listing(sizes, max(keys) if whole else last)
+
+
 def _options(store: Any, args: dict[str, Any]) -> dict[str, Any]:
-    """The storage options of ``store``'s filesystem and kvikio's open arguments (both
-    may hold credentials), for :func:`redact`."""
-    fs = getattr(store, "fs", None)
-    return {"fs": dict(getattr(fs, "storage_options", None) or {}), "kvikio": args}
+    """The storage options of ``store`` and kvikio's open arguments (both may hold
+    credentials), for :func:`redact`."""
+    return {"store": store_options(store), "kvikio": args}
 
 
 def read_device(
@@ -446,12 +603,20 @@ def read_device(
 
 
 class RemoteSource(StoreSource):
-    """Objects of a remote fsspec store (S3, HTTP(S)): on the host through the store's
-    ``get`` with bounded retries of transient faults (:func:`read_host`), on the
-    device through kvikio's ``RemoteFile`` straight into the arena (:func:`read_device`).
-    Opens ``s3://``, ``http://`` and ``https://`` URLs (:func:`open_url`)."""
+    """Objects of a remote store (an obstore ``ObjectStore`` over ``S3Store`` /
+    ``HTTPStore``, or an fsspec store of S3 or HTTP(S)): on the host through obstore
+    (or the store's ``get``) with bounded retries of transient faults
+    (:func:`read_host`; large chunks streamed, their reads overlapping their decoding:
+    :class:`HostStream`), on the device through kvikio's ``RemoteFile`` straight into
+    the arena (:func:`read_device`). Opens ``s3://``, ``http://`` and ``https://`` URLs
+    (:func:`open_url`)."""
 
     device_reads = True
+    streams = True
+
+    @classmethod
+    def stream(cls, sources: Sequence[Any], locations: list[Any]) -> HostStream:
+        return HostStream([s.store for s in sources], list(locations))
 
     @classmethod
     def claims(cls, store: Any) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "read_error",
     "redact",
     "scrubbed",
+    "store_options",
     "store_url",
     "transient",
     "write_error",
@@ -43,6 +44,9 @@ SECRET_KEYS = (
     "secret",
     "token",
     "aws_access_key_id",
+    "access_key_id",  # obstore's names
+    "secret_access_key",
+    "session_token",
     "aws_secret_access_key",
     "aws_session_token",
     "password",
@@ -310,6 +314,8 @@ _TRANSIENT = frozenset(
         "ResponseStreamingError",  # botocore
         "EndpointConnectionError",
         "ConnectionClosedError",
+        "BodyCut",  # obstore: the body cut short (xarray_gds.stores.objstore)
+        "Unreachable",
     }
 )
 
@@ -333,6 +339,8 @@ def transient(err: BaseException) -> bool:
     """Whether a failed read may succeed when tried again."""
     if isinstance(err, PermissionError | FileNotFoundError | IsADirectoryError):
         return False
+    if _untrusted_certificate(err):  # no second try trusts it more
+        return False
     status = getattr(err, "status", None)
     if isinstance(status, int):
         return status in _TRANSIENT_STATUS
@@ -343,16 +351,33 @@ def transient(err: BaseException) -> bool:
 
 def retries_itself(store: Any) -> bool:
     """Whether the store's filesystem retries transient faults on its own (s3fs does,
-    5 tries with backoff; fsspec's HTTP filesystem does not)."""
+    5 tries with backoff; fsspec's HTTP filesystem does not, nor obstore as the engine
+    opens it)."""
     fs = getattr(store, "fs", None)
     protocol = getattr(fs, "protocol", "")
     protocol = protocol if isinstance(protocol, str) else protocol[0]
     return protocol in ("s3", "s3a")
 
 
+def store_options(store: Any) -> dict[str, Any]:
+    """What may hold the credentials of a remote store, for :func:`redact`: the storage
+    options of its filesystem (fsspec), or those it was opened with and its obstore
+    configuration."""
+    from xarray_gds.stores import objstore
+
+    if objstore.inner(store) is not None:
+        return objstore.options_of(store)
+    fs = getattr(store, "fs", None)
+    return dict(getattr(fs, "storage_options", None) or {})
+
+
 def store_url(store: Any) -> str:
-    """The URL of a remote fsspec store (``s3://bucket/path``, ``https://...``), without
-    user information."""
+    """The URL of a remote store (``s3://bucket/path``, ``https://...``), without user
+    information."""
+    from xarray_gds.stores import objstore
+
+    if objstore.inner(store) is not None:
+        return public_url(objstore.store_url(store))
     fs = getattr(store, "fs", None)
     path = str(getattr(store, "path", "") or "")
     protocol = getattr(fs, "protocol", "")
@@ -394,7 +419,7 @@ def read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError:
     """The error of a chunk read that failed for good: its type says what kind of fault
     (``TimeoutError``, ``ConnectionError``, ``PermissionError``, ``OSError``), its
     message names the URL and the chunk key and says what to check."""
-    options = dict(getattr(getattr(store, "fs", None), "storage_options", None) or {})
+    options = store_options(store)
     url = store_url(store)
     s3 = url.startswith(("s3://", "s3a://"))
     where = f"cannot read chunk {key!r} of the remote Zarr store {url!r}"
@@ -416,12 +441,18 @@ def read_error(store: Any, key: str, tries: int, err: BaseException) -> OSError:
             f"{where}{after}: the server was too slow (no answer within the timeout): "
             f"raise the timeout ({setting}) or check the server's load ({detail})"
         )
+    if _untrusted_certificate(err):
+        return ConnectionError(
+            f"{where}: the server's TLS certificate is not trusted: give the certificate "
+            "of the authority that signed it (the SSL_CERT_FILE environment variable) "
+            f"({detail})"
+        )
     if isinstance(err, ShortBody):
         return OSError(
             f"{where}{after}: the server sent fewer bytes than asked for ({err}; no partial "
             "bytes were used): check the server, or a proxy between, honours Range requests"
         )
-    if {"ClientPayloadError", "ContentLengthError"} & _names(err):
+    if {"ClientPayloadError", "ContentLengthError", "BodyCut"} & _names(err):
         return ConnectionError(
             f"{where}{after}: the connection was closed before the whole object came "
             f"(no partial bytes were used): check the server and the network ({detail})"

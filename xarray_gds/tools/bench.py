@@ -35,7 +35,9 @@ from xarray_gds.tools import (
     bench_icechunk,
     bench_loader,
     bench_refs,
+    bench_remote,
     bench_write,
+    nginx,
     s3_server,
 )
 from xarray_gds.tools._stores import write_blocks
@@ -64,9 +66,10 @@ EXTRAS = {
     "s3fs": "test",
     "moto": "test",
     "boto3": "test",
+    "aiohttp": "test",
     "virtualizarr": "virtual",
     "obspec_utils": "virtual",
-    "obstore": "virtual",
+    "obstore": "remote",
 }
 
 # the optional packages (import names) of the cases, their "needs"
@@ -75,6 +78,9 @@ _REFS = ("netCDF4", "h5netcdf", "h5py", "kerchunk")
 _ICECHUNK = ("icechunk", "dask")
 _VIRTUAL = ("icechunk", *_REFS, "virtualizarr", "obspec_utils", "obstore")
 _S3 = ("s3fs", "moto", "boto3")
+# the nginx cases: obstore (the engine's client, and zarr's ObjectStore), fsspec's HTTP
+# filesystem and s3fs (engine="zarr" through fsspec)
+_SERVED = ("obstore", "aiohttp", "s3fs")
 
 
 @dataclass
@@ -91,6 +97,11 @@ class Result:
         return self.nbytes / self.seconds[name] / 1e9
 
     def ratio(self, name: str, base: str = "zarr") -> float:
+        """``base``'s time over ``name``'s; with no ``zarr`` contender, the faster of
+        the ``zarr (...)`` ones (``zarr (obstore)``, ``zarr (fsspec)``) is ``zarr``."""
+        if base == "zarr" and base not in self.seconds:
+            zarrs = [s for k, s in self.seconds.items() if k.startswith("zarr (")]
+            return min(zarrs) / self.seconds[name] if zarrs else math.nan
         return self.seconds[base] / self.seconds[name]
 
 
@@ -184,6 +195,8 @@ def skip_reason(name: str, cuda: bool) -> str | None:
     """Why case ``name`` cannot run here (no GPU, or packages missing), or None."""
     if CASES[name]["gpu"] and not cuda:
         return "needs a GPU"
+    if CASES[name].get("serves") and nginx.NGINX is None:
+        return "needs nginx (apt-get install nginx)"
     absent = missing(name)
     if absent:
         return f"needs {', '.join(absent)} ({install_hint(absent)})"
@@ -627,12 +640,27 @@ def _case(
     warm_all: bool = True,
     n_stores: int = 1,
     profile_dir: Path | None = None,
+    interleave: bool = False,
 ) -> Result:
+    """Best of ``repeat`` runs of each contender: each contender's runs one after the
+    other, or with ``interleave`` one run of every contender in turn, ``repeat`` rounds
+    (a load that comes and goes on a shared machine then falls on all of them alike)."""
     group = zarr.open_group(path, mode="r")
     arrays = [a for _, a in group.arrays() if a.ndim == 3]
     nbytes = sum(a.nbytes for a in arrays) * n_stores
     n_chunks = sum(a.nchunks for a in arrays) * n_stores
     result = Result(name, int(nbytes), int(n_chunks))
+    if interleave:
+        for fn in contenders.values():
+            fn()  # warm up
+        for _ in range(repeat):
+            for label, fn in contenders.items():
+                took = _time(fn, 1, _sync)
+                result.seconds[label] = min(result.seconds.get(label, math.inf), took)
+        if profile_dir is not None:
+            for label, fn in contenders.items():
+                _profile(fn, profile_dir / profile_name(name, label))
+        return result
     for k, (label, fn) in enumerate(contenders.items()):
         if warm_all or k == 0:
             fn()  # warm up: page cache, imports, CUDA context, nvCOMP handles
@@ -707,10 +735,15 @@ def _run_case(
     path = make(tmp / f"{name}.zarr", int(size_gb * spec["scale"] * 1e9), **spec["store"])
     n_stores = spec.get("stores", 1)
     target: Any = _copies(path, n_stores) if n_stores > 1 else path
-    contenders = spec["contenders"](target)
     rep = spec.get("repeat", repeat)
     warm_all = spec.get("warm_all", True)
-    result = _case(name, path, rep, contenders, warm_all, n_stores, profile_dir)
+    with contextlib.ExitStack() as stack:  # a case's servers stop as it ends
+        if spec.get("serves"):
+            contenders = spec["contenders"](target, stack)
+        else:
+            contenders = spec["contenders"](target)
+        interleave = bool(spec.get("interleave"))
+        result = _case(name, path, rep, contenders, warm_all, n_stores, profile_dir, interleave)
     if "note" in spec:
         result.note = spec["note"](result)
     if "parts" in spec:  # a loop over part of the store: the bytes it reads
@@ -935,6 +968,50 @@ CASES: dict[str, dict[str, Any]] = {
             "fetching every chunk object to the host without decoding it"
         ),
     },
+    # the store served by nginx on 127.0.0.1 (started and stopped by the case) over
+    # http:// and as a path-style s3:// endpoint: the engine against engine="zarr" through
+    # obstore and fsspec, every chunk fetched with nothing decoded (raw GETs) and the
+    # same store read from local disk (xarray_gds.tools.bench_remote)
+    "host-remote-http": {
+        "gpu": False,
+        "serves": True,
+        "needs": _SERVED,
+        "scale": 0.21,  # 100 chunks of 4 MiB (about 260 MB of zstd) for --size-gb 2
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_remote.host_contenders("http"),
+        "interleave": True,  # one run of each contender in turn
+        "note": bench_remote.note,
+    },
+    "host-remote-s3": {
+        "gpu": False,
+        "serves": True,
+        "needs": _SERVED,
+        "scale": 0.21,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_remote.host_contenders("s3"),
+        "interleave": True,
+        "note": bench_remote.note,
+    },
+    "remote-http-4MB": {
+        "gpu": True,
+        "serves": True,
+        "needs": _SERVED,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_remote.contenders("http"),
+        "interleave": True,
+        "note": bench_remote.note,
+    },
+    "remote-s3-4MB": {
+        "gpu": True,
+        "serves": True,
+        "needs": _SERVED,
+        "scale": 1.0,
+        "store": {"chunk_bytes": 4 << 20},
+        "contenders": bench_remote.contenders("s3"),
+        "interleave": True,
+        "note": bench_remote.note,
+    },
     # a NetCDF4 file (zlib 1 + shuffle) through its kerchunk references
     "netcdf-refs": {
         "gpu": True,
@@ -1110,6 +1187,10 @@ TITLES = {
     "memory-zstd-4MB": "zstd-4MB with smaller batch budgets",
     "small-chunks": "open_dataset(p).t.values, chunks of 1-2 KiB",
     "remote-s3-zstd-4MB": "s3:// on a loopback moto server (zarr via s3fs)",
+    "host-remote-http": 'http:// on nginx, device="cpu", zstd',
+    "host-remote-s3": 's3:// (path style) on nginx, device="cpu", zstd',
+    "remote-http-4MB": "http:// on nginx, kvikio RemoteFile, zstd",
+    "remote-s3-4MB": "s3:// (path style) on nginx, kvikio RemoteFile, zstd",
     "netcdf-refs": "NetCDF4 (zlib + shuffle) via kerchunk references",
     "netcdf-refs-1MiB": "NetCDF4 via kerchunk references, 1 MiB chunks",
     "host-netcdf-refs": 'device="cpu", NetCDF4 via kerchunk references',
