@@ -531,9 +531,8 @@ async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_pa
             await store.set_if_not_exists("v/c/2", value)
         with pytest.raises(ValueError, match="is a symbolic link"):
             store.delete_sync("v/c/0")
-        if link == "v":
-            with pytest.raises(ValueError, match="is a symbolic link"):
-                await store.delete_dir("v/c")
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.delete_dir("v/c" if link == "v" else "v/c/0")
         assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
         assert (outside / "c" / "0").read_bytes() == b"kept"
 
