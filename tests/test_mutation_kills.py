@@ -513,10 +513,11 @@ def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
 
 
 async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_path: Path) -> None:
-    """store ``key.split("/")[:-1]`` -> ``[:-2]`` (``set``), -> ``[:-0]``
+    """store ``key.split("/")[:-1]`` -> ``[:-2]`` (``set``, ``delete_sync``), -> ``[:-0]``
     (``set_if_not_exists``) and prefix ``[:-1]`` -> ``[:not 1]`` (``delete_dir``): a
     chunk's own directory linked out of the root, or its array's, refuses writes,
-    conditional writes and deletes of a tree through it, and the files outside stay."""
+    conditional writes, deletes and deletes of a tree through it, and the files outside
+    stay."""
     import shutil
 
     from zarr.core.buffer import cpu
@@ -540,9 +541,10 @@ async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_pa
             await store.set("v/c/1", value)
         with pytest.raises(ValueError, match="is a symbolic link"):
             await store.set_if_not_exists("v/c/2", value)
-        if link == "v":
-            with pytest.raises(ValueError, match="is a symbolic link"):
-                await store.delete_dir("v/c")
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            store.delete_sync("v/c/0")
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            await store.delete_dir("v/c" if link == "v" else "v/c/0")
         assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
         assert (outside / "c" / "0").read_bytes() == b"kept"
 
