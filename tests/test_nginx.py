@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xarray as xr
 
-from ._nginx import NGINX, Nginx, serve
+from ._nginx import NGINX, Nginx, require_nginx, serve
 from .conftest import write_store
 
 pytestmark = [
@@ -26,10 +26,7 @@ pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp")
 
 @pytest.fixture(scope="module")
 def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
-    if NGINX is None:
-        if os.environ.get("CI"):
-            pytest.fail("nginx is not installed: scripts/test.sh installs it (ensure_nginx)")
-        pytest.skip("nginx is not installed (apt-get install nginx)")
+    require_nginx()
     root = tmp_path_factory.mktemp("served")
     for zarr_format in (2, 3):
         write_store(root / "bucket" / f"v{zarr_format}.zarr", zarr_format, "zstd")

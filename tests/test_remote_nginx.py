@@ -7,7 +7,6 @@ with ``engine="zarr"``."""
 from __future__ import annotations
 
 import collections
-import os
 import re
 import shutil
 import time
@@ -21,6 +20,7 @@ import zarr
 
 from xarray_gds.tools.nginx import NGINX, Nginx, serve
 
+from ._nginx import require_nginx
 from .conftest import write_store
 
 pytestmark = [
@@ -49,10 +49,7 @@ def _big(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
-    if NGINX is None:
-        if os.environ.get("CI"):
-            pytest.fail("nginx is not installed: scripts/test.sh installs it (ensure_nginx)")
-        pytest.skip("nginx is not installed (apt-get install nginx)")
+    require_nginx()
     root = tmp_path_factory.mktemp("served")
     for zarr_format in (2, 3):
         write_store(root / "bucket" / f"v{zarr_format}.zarr", zarr_format, "zstd")
