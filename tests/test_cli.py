@@ -636,7 +636,10 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     # one profile per contender, showing the engine's own read path
     names = sorted(p.name for p in profiles.iterdir())
     assert names == ["host-zstd-4MB.gds-zarr.txt", "host-zstd-4MB.zarr.txt"]
-    assert "decode.py" in (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
+    # the calling thread's side of it (cProfile follows that thread only: the decode
+    # itself may run in the engine's threads, out of the profile's sight)
+    text = (profiles / "host-zstd-4MB.gds-zarr.txt").read_text()
+    assert "xarray_gds/array.py" in text and "__getitem__" in text
 
 
 def test_bench_shard_chunks_are_one_block_a_shard(tmp_path: Path) -> None:
