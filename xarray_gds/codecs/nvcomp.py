@@ -38,12 +38,11 @@ class _State:
     memory go with it (threads come and go: dask's, a caller's, the engine's per-read
     servers), and :data:`_all_states` keeps no thread's state alive."""
 
-    __slots__ = ("__weakref__", "codecs", "gpu", "stream")
+    __slots__ = ("__weakref__", "codecs", "stream")
 
-    def __init__(self, stream: Any, gpu: int) -> None:
+    def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.codecs: dict[str, Any] = {}
-        self.gpu = gpu
 
 
 _all_states: weakref.WeakSet[_State] = weakref.WeakSet()  # the live threads' states
@@ -75,7 +74,7 @@ def _state() -> tuple[Any, dict[str, Any]]:
             # nvCOMP codecs must go before the streams and the context they use
             atexit.register(_release)
             _release_registered = True
-        state = _State(cp.cuda.Stream(non_blocking=True), gpu)
+        state = _State(cp.cuda.Stream(non_blocking=True))
         per_device[gpu] = state
         _all_states.add(state)
     state = per_device[gpu]
