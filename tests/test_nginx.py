@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xarray as xr
 
-from ._nginx import NGINX, Nginx, require_nginx, serve
+from ._nginx import Nginx, require_nginx, serve
 from .conftest import write_store
 
 pytestmark = [
@@ -92,8 +92,7 @@ def test_untrusted_certificate_names_the_url(nginx: Nginx) -> None:
 
 
 def test_server_stops_by_its_pid(tmp_path: Path) -> None:
-    if NGINX is None:
-        pytest.skip("nginx is not installed")
+    require_nginx()
     with serve(tmp_path, tls=False) as server:
         port = int(server.http.rsplit(":", 1)[1])
         pid = server.pid

@@ -18,7 +18,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from xarray_gds.tools.nginx import NGINX, Nginx, serve
+from xarray_gds.tools.nginx import Nginx, serve
 
 from ._nginx import require_nginx
 from .conftest import write_store
@@ -211,8 +211,7 @@ def test_server_stopped_in_the_middle_of_a_read(
     from xarray_gds import decode
     from xarray_gds.stores import remote
 
-    if NGINX is None:
-        pytest.skip("nginx is not installed")
+    require_nginx()
     big = _big(tmp_path / "big.zarr")
     with serve(tmp_path, tls=False) as server:
         url = f"{server.http}/big.zarr"
@@ -334,8 +333,7 @@ def test_bench_remote_cases(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     GPU."""
     import json
 
-    if NGINX is None:
-        pytest.skip("nginx is not installed")
+    require_nginx()
     from xarray_gds import device
     from xarray_gds.tools import cli
 
