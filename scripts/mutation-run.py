@@ -2,7 +2,7 @@
 """Mutation testing by Cosmic Ray: mutants that no test author chose, module by module.
 
 ``scripts/mutate.py`` applies a curated list of mutations; this script lets Cosmic Ray
-(``cosmic-ray`` on PyPI, the ``test`` extra) make every mutant its operators make in
+(``cosmic-ray`` on PyPI, the ``dev`` extra) make every mutant its operators make in
 each module of the read and write paths (comparison, binary, unary and boolean
 operators swapped, numbers moved by one, ``not`` added, ``True``/``False`` swapped,
 ``break``/``continue`` swapped, loops run zero times, decorators removed, exceptions
