@@ -1,12 +1,14 @@
-"""nvCOMP calls that find the device out of memory retry once after CuPy's memory pool
-hands its cached free blocks back (CPU stand-ins for CuPy's pool, the stream and the
-codec)."""
+"""nvCOMP's device memory: calls that find the device out of memory retry once after
+CuPy's memory pool hands its cached free blocks back, and the codecs (with their scratch
+memory) live in a bounded pool of lanes that threads share (CPU stand-ins for CuPy, the
+stream and the codec)."""
 
 from __future__ import annotations
 
 import gc
 import threading
 import weakref
+from contextlib import ExitStack
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,36 +77,89 @@ class _Codec:
     """Stands in for an nvCOMP codec (which holds device scratch memory)."""
 
 
-def test_a_finished_threads_stream_and_codecs_are_released(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    class Stream:
-        def __init__(self, non_blocking: bool) -> None:
-            assert non_blocking
+class _FakeStream:
+    def __init__(self, non_blocking: bool) -> None:
+        assert non_blocking
 
+
+@pytest.fixture
+def lanes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A CuPy stand-in whose current device the test sets, an empty lane pool, and the
+    exit handler's registrations recorded instead of made."""
+    state = SimpleNamespace(gpu=0, registered=[])
     fake_cupy = SimpleNamespace(
-        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0), Stream=Stream)
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=state.gpu), Stream=_FakeStream)
     )
     monkeypatch.setattr(nvcomp._device, "cupy", lambda: fake_cupy)
-    monkeypatch.setattr(nvcomp, "_release_registered", True)  # no exit handler from a test
-    before = len(nvcomp._all_states)
-    codecs: list[weakref.ref[_Codec]] = []
-    streams: list[weakref.ref[Stream]] = []
+    monkeypatch.setattr(nvcomp, "_idle", {})
+    monkeypatch.setattr(nvcomp, "_all_lanes", weakref.WeakSet())
+    monkeypatch.setattr(nvcomp, "_release_registered", False)
+    monkeypatch.setattr(nvcomp.atexit, "register", state.registered.append)
+    return state
+
+
+def test_threads_that_call_one_after_another_share_one_lane(lanes: SimpleNamespace) -> None:
+    seen: list[nvcomp._Lane] = []
 
     def work() -> None:
-        stream, held = nvcomp._state()
-        held["zstd"] = _Codec()
-        codecs.append(weakref.ref(held["zstd"]))
-        streams.append(weakref.ref(stream))
-        assert nvcomp._state() == (stream, held)  # the thread keeps its own pair
-        assert len(nvcomp._all_states) == before + 1
+        with nvcomp._lane() as lane:
+            lane.codecs.setdefault("zstd", _Codec())
+            seen.append(lane)
 
-    threads = [threading.Thread(target=work) for _ in range(3)]
-    for t in threads:
+    for _ in range(5):
+        t = threading.Thread(target=work)
         t.start()
         t.join()
+    assert len(seen) == 5 and all(lane is seen[0] for lane in seen)
+    assert len(nvcomp._all_lanes) == 1
+    assert lanes.registered == [nvcomp._release]  # the exit handler, once
+
+
+def test_lanes_held_at_once_are_distinct_and_idle_ones_are_capped(
+    lanes: SimpleNamespace,
+) -> None:
+    n = nvcomp.IDLE_LANES + 3
+    codecs = []
+    with ExitStack() as stack:
+        held = [stack.enter_context(nvcomp._lane()) for _ in range(n)]
+        assert len({id(lane) for lane in held}) == n
+        assert len({id(lane.stream) for lane in held}) == n
+        for lane in held:
+            lane.codecs["zstd"] = _Codec()
+            codecs.append(weakref.ref(lane.codecs["zstd"]))
+    assert len(nvcomp._idle[0]) == nvcomp.IDLE_LANES
+    del held, lane
     gc.collect()
-    assert len(codecs) == 3
-    assert [c() for c in codecs] == [None] * 3
-    assert [s() for s in streams] == [None] * 3
-    assert len(nvcomp._all_states) == before
+    # the lanes beyond the cap went, with their codecs (and their device scratch)
+    assert len(nvcomp._all_lanes) == nvcomp.IDLE_LANES
+    assert sum(ref() is not None for ref in codecs) == nvcomp.IDLE_LANES
+    assert lanes.registered == [nvcomp._release]
+
+
+def test_a_lane_whose_call_failed_is_not_handed_out_again(lanes: SimpleNamespace) -> None:
+    with pytest.raises(RuntimeError, match="boom"), nvcomp._lane() as failed:
+        failed.codecs["zstd"] = _Codec()
+        raise RuntimeError("boom")
+    assert nvcomp._idle.get(0, []) == []
+    with nvcomp._lane() as lane:
+        assert lane is not failed and lane.codecs == {}
+
+
+def test_lanes_belong_to_the_device_current_when_asked(lanes: SimpleNamespace) -> None:
+    with nvcomp._lane() as first:
+        assert first.device == 0
+    lanes.gpu = 1
+    with nvcomp._lane() as other:
+        assert other is not first and other.device == 1
+    lanes.gpu = 0
+    with nvcomp._lane() as again:
+        assert again is first
+
+
+def test_release_drops_the_codecs_of_every_lane(lanes: SimpleNamespace) -> None:
+    with nvcomp._lane() as idle:
+        idle.codecs["zstd"] = _Codec()
+    with nvcomp._lane() as busy:
+        busy.codecs["lz4"] = _Codec()
+        nvcomp._release()  # at exit, a lane may still be held by a thread
+    assert idle.codecs == {} and busy.codecs == {}

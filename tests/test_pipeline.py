@@ -273,8 +273,8 @@ def test_device_crc32c_matches_google_crc32c() -> None:
     sizes = np.array([0, 1, 3, 4, 17, 4096, 65_537, (1 << 22) + 5], dtype=np.int64)
     offsets = np.cumsum(np.concatenate([[3], sizes[:-1] + 5]))  # unaligned starts
     arena = rng.integers(0, 256, int(offsets[-1] + sizes[-1]), dtype=np.uint8)
-    stream, _ = nvcomp._state()
-    got = crc32c.crc32c(cp.asarray(arena), offsets, sizes, stream)
+    with nvcomp._lane() as lane:
+        got = crc32c.crc32c(cp.asarray(arena), offsets, sizes, lane.stream)
     pieces = [arena[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
     want = [google_crc32c.value(piece.tobytes()) for piece in pieces]
     assert got.dtype == np.uint32 and got.tolist() == want

@@ -14,7 +14,8 @@ import atexit
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,23 +30,34 @@ from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["decode", "decode_frames", "gather", "pack"]
 
-_local = threading.local()
+_local = threading.local()  # per thread: compiled kernels
+
+#: idle lanes kept per device for the next call; more lanes are made while more threads
+#: call at once, and those beyond this many go (with their codecs' scratch memory) as
+#: they are handed back
+IDLE_LANES = 4
 
 
-class _State:
-    """One thread's CUDA stream and nvCOMP codecs on one device. Only the thread holds
-    it (in :data:`_local`): when the thread ends, its codecs and their device scratch
-    memory go with it (threads come and go: dask's, a caller's, the engine's per-read
-    servers), and :data:`_all_states` keeps no thread's state alive."""
+class _Lane:
+    """A CUDA stream and the nvCOMP codecs made on it, on one device, used by one thread
+    at a time (a Codec is not thread-safe, and a stream and a Codec belong to the device
+    current when they were made). Lanes are shared by all threads through
+    :func:`_lane`, so the device memory that codecs keep (their scratch space grows to
+    the largest batch they saw) is bounded by how many calls run at once, not by how
+    many threads ever called: dask's, zarr's, the engine's and a caller's pools hold
+    hundreds of threads between them."""
 
-    __slots__ = ("__weakref__", "codecs", "stream")
+    __slots__ = ("__weakref__", "codecs", "device", "stream")
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, device: int) -> None:
         self.stream = stream
+        self.device = device
         self.codecs: dict[str, Any] = {}
 
 
-_all_states: weakref.WeakSet[_State] = weakref.WeakSet()  # the live threads' states
+_idle: dict[int, list[_Lane]] = {}  # per device, the lanes no call holds
+_idle_lock = threading.Lock()
+_all_lanes: weakref.WeakSet[_Lane] = weakref.WeakSet()  # every lane alive, for _release
 _release_registered = False
 
 
@@ -60,30 +72,40 @@ def _nvcomp() -> Any:
     return nvcomp
 
 
-def _state() -> tuple[Any, dict[str, Any]]:
-    """This thread's CUDA stream and nvCOMP codecs on the current device (a Codec is
-    not thread-safe, and a stream and a Codec belong to the device current when they
-    were made: a thread that serves requests for several GPUs keeps one pair each)."""
+@contextmanager
+def _lane() -> Iterator[_Lane]:
+    """A lane of the current device for the calls inside the ``with``: an idle one
+    (the one used last: its codecs are warm), or a new one when every lane is held.
+    It is handed back for the next call, unless the block raised (nvCOMP's state after
+    a failed call is not trusted: the next call gets a fresh codec) or
+    :data:`IDLE_LANES` are idle already."""
     global _release_registered
     cp = _device.cupy()
     gpu = cp.cuda.Device().id
-    per_device = _local.__dict__.setdefault("devices", {})
-    if gpu not in per_device:
-        if not _release_registered:
+    with _idle_lock:
+        idle = _idle.get(gpu)
+        lane = idle.pop() if idle else None
+        if lane is None and not _release_registered:
             # registered after CuPy's own exit handlers, so it runs before them:
             # nvCOMP codecs must go before the streams and the context they use
             atexit.register(_release)
             _release_registered = True
-        state = _State(cp.cuda.Stream(non_blocking=True))
-        per_device[gpu] = state
-        _all_states.add(state)
-    state = per_device[gpu]
-    return state.stream, state.codecs
+    if lane is None:
+        lane = _Lane(cp.cuda.Stream(non_blocking=True), gpu)
+        _all_lanes.add(lane)
+    yield lane  # on an exception, the lane is dropped
+    with _idle_lock:
+        idle = _idle.setdefault(gpu, [])
+        if len(idle) < IDLE_LANES:
+            idle.append(lane)
 
 
 def _release() -> None:
-    for state in list(_all_states):
-        state.codecs.clear()
+    """Drop every lane's codecs (at exit, before CUDA goes)."""
+    with _idle_lock:
+        _idle.clear()
+    for lane in list(_all_lanes):
+        lane.codecs.clear()
 
 
 def _retry_out_of_memory(stream: Any, call: Callable[..., Any], inputs: Any, out: Any) -> Any:
@@ -103,20 +125,19 @@ def _retry_out_of_memory(stream: Any, call: Callable[..., Any], inputs: Any, out
         return call(inputs, out=out)
 
 
-def _codec(fmt: Format) -> Any:
-    """This thread's nvCOMP codec of ``fmt``'s raw streams on the current device."""
-    stream, codecs = _state()
-    if fmt.name not in codecs:
+def _codec(lane: _Lane, fmt: Format) -> Any:
+    """The nvCOMP codec of ``fmt``'s raw streams on ``lane``."""
+    if fmt.name not in lane.codecs:
         if fmt.nvcomp is None:
             raise ValueError(f"nvCOMP has no {fmt.name} codec")
         nvcomp = _nvcomp()
-        codecs[fmt.name] = nvcomp.Codec(
+        lane.codecs[fmt.name] = nvcomp.Codec(
             algorithm=fmt.nvcomp,
             bitstream_kind=nvcomp.BitstreamKind.RAW,
-            device_id=stream.device_id,
-            cuda_stream=stream.ptr,
+            device_id=lane.stream.device_id,
+            cuda_stream=lane.stream.ptr,
         )
-    return codecs[fmt.name]
+    return lane.codecs[fmt.name]
 
 
 def _peek(batch: DeviceBatch, offsets: np.ndarray, n: int) -> np.ndarray:
@@ -305,8 +326,8 @@ def _strip_crc32c(
         raise CRC32C.too_short(keys[j], int(sizes[j]))
     body = sizes - CRC32C.trim
     stored = np.ascontiguousarray(_peek(batch, offsets + body, CRC32C.trim)).view("<u4")[:, 0]
-    stream, _ = _state()
-    actual = crc32c.crc32c(batch.arena, offsets, body, stream)
+    with _lane() as lane:
+        actual = crc32c.crc32c(batch.arena, offsets, body, lane.stream)
     bad = np.flatnonzero(actual != stored)
     if bad.size:
         j = int(bad[0])
@@ -372,25 +393,26 @@ def _run(
     raise ChunkDecodeError naming the stream's key and ``codec``."""
     cp = _device.cupy()
     m = len(keys)
-    stream, _ = _state()
-    # nvCOMP runs on its own stream: make it wait for the reads and copies above
-    stream.wait_event(cp.cuda.get_current_stream().record())
-    inputs = _batch(src.arena, src.offsets, src.sizes, stream)
-    outputs = _batch(out, out_offsets, out_sizes, stream)
-    try:
-        result = _retry_out_of_memory(stream, _codec(fmt).decode, inputs, outputs)
-        # wait in CuPy, which lets other threads run meanwhile: read before the wait,
-        # nvCOMP's buffer_sizes does the waiting itself and the other dask threads
-        # stall (a profile of 50 store reads had their decode time in it)
-        stream.synchronize()
-        got = np.asarray(result.buffer_sizes, dtype=np.int64)
-    except (RuntimeError, ValueError) as err:
-        stream.synchronize()
-        # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
-        found = re.search(r"array (\d+)", str(err))
-        where = int(found.group(1)) if found and int(found.group(1)) < m else None
-        key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
-        raise ChunkDecodeError(key, codec, str(err)) from err
+    with _lane() as lane:
+        stream = lane.stream
+        # nvCOMP runs on its own stream: make it wait for the reads and copies above
+        stream.wait_event(cp.cuda.get_current_stream().record())
+        inputs = _batch(src.arena, src.offsets, src.sizes, stream)
+        outputs = _batch(out, out_offsets, out_sizes, stream)
+        try:
+            result = _retry_out_of_memory(stream, _codec(lane, fmt).decode, inputs, outputs)
+            # wait in CuPy, which lets other threads run meanwhile: read before the wait,
+            # nvCOMP's buffer_sizes does the waiting itself and the other dask threads
+            # stall (a profile of 50 store reads had their decode time in it)
+            stream.synchronize()
+            got = np.asarray(result.buffer_sizes, dtype=np.int64)
+        except (RuntimeError, ValueError) as err:
+            stream.synchronize()
+            # nvCOMP names the failing buffer of the batch ("Output array 12 ...") if it can
+            found = re.search(r"array (\d+)", str(err))
+            where = int(found.group(1)) if found and int(found.group(1)) < m else None
+            key = keys[where] if where is not None else f"{keys[0]} .. {keys[-1]} ({m} chunks)"
+            raise ChunkDecodeError(key, codec, str(err)) from err
     bad = np.flatnonzero(got != out_sizes)
     if bad.size:
         j = int(bad[0])
@@ -527,27 +549,29 @@ def _encode_batch(
     buffer: ``(out, row starts, compressed sizes)``."""
     cp = _device.cupy()
     n = len(sizes)
-    stream, _ = _state()
-    stream.wait_event(cp.cuda.get_current_stream().record())
-    inputs = _batch(buffer, offsets, sizes, stream)
-    row = fmt.encode_bound(int(sizes.max()) if n else 0)
-    try:
-        for attempt in range(2):
-            row = -(-row // _ALIGN) * _ALIGN
-            out = cp.empty(n * row, dtype=cp.uint8)
-            rows = np.arange(n, dtype=np.int64) * row
-            outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
-            try:
-                result = _retry_out_of_memory(stream, _codec(fmt).encode, inputs, outputs)
-                stream.synchronize()  # waits in CuPy, not in buffer_sizes (see _run)
-                break
-            except ValueError as err:
-                stream.synchronize()
-                needed = re.search(r"(\d+) bytes required", str(err))
-                if attempt or needed is None:
-                    raise
-                row = int(needed.group(1))
-        got = np.asarray(result.buffer_sizes, dtype=np.int64)
-    finally:
-        stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it
+    with _lane() as lane:
+        stream = lane.stream
+        stream.wait_event(cp.cuda.get_current_stream().record())
+        inputs = _batch(buffer, offsets, sizes, stream)
+        row = fmt.encode_bound(int(sizes.max()) if n else 0)
+        try:
+            for attempt in range(2):
+                row = -(-row // _ALIGN) * _ALIGN
+                out = cp.empty(n * row, dtype=cp.uint8)
+                rows = np.arange(n, dtype=np.int64) * row
+                outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
+                try:
+                    call = _codec(lane, fmt).encode
+                    result = _retry_out_of_memory(stream, call, inputs, outputs)
+                    stream.synchronize()  # waits in CuPy, not in buffer_sizes (see _run)
+                    break
+                except ValueError as err:
+                    stream.synchronize()
+                    needed = re.search(r"(\d+) bytes required", str(err))
+                    if attempt or needed is None:
+                        raise
+                    row = int(needed.group(1))
+            got = np.asarray(result.buffer_sizes, dtype=np.int64)
+        finally:
+            stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it
     return out, rows, got
