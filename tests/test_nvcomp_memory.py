@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from contextlib import ExitStack
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,65 +83,81 @@ class _FakeStream:
 
 @pytest.fixture
 def lanes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """A CuPy stand-in whose current device the test sets, an empty lane pool, and the
-    exit handler's registrations recorded instead of made."""
+    """A CuPy stand-in whose current device the test sets, no lanes nor keepers yet,
+    and the exit handler's registrations recorded instead of made."""
     state = SimpleNamespace(gpu=0, registered=[])
     fake_cupy = SimpleNamespace(
         cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=state.gpu), Stream=_FakeStream)
     )
     monkeypatch.setattr(nvcomp._device, "cupy", lambda: fake_cupy)
-    monkeypatch.setattr(nvcomp, "_idle", {})
+    monkeypatch.setattr(nvcomp, "_local", threading.local())
+    monkeypatch.setattr(nvcomp, "_keepers", {})
     monkeypatch.setattr(nvcomp, "_all_lanes", weakref.WeakSet())
     monkeypatch.setattr(nvcomp, "_release_registered", False)
     monkeypatch.setattr(nvcomp.atexit, "register", state.registered.append)
     return state
 
 
-def test_threads_that_call_one_after_another_share_one_lane(lanes: SimpleNamespace) -> None:
-    seen: list[nvcomp._Lane] = []
+def _call(lane: nvcomp._Lane) -> weakref.ref[_Codec]:
+    """What an nvCOMP call does to its lane: makes the codec it needs if missing."""
+    codec = lane.codecs.setdefault("zstd", _Codec())
+    return weakref.ref(codec)
 
-    def work() -> None:
-        with nvcomp._lane() as lane:
-            lane.codecs.setdefault("zstd", _Codec())
-            seen.append(lane)
 
-    for _ in range(5):
-        t = threading.Thread(target=work)
-        t.start()
-        t.join()
-    assert len(seen) == 5 and all(lane is seen[0] for lane in seen)
-    assert len(nvcomp._all_lanes) == 1
+def test_a_thread_keeps_its_lane_and_codec_between_calls(lanes: SimpleNamespace) -> None:
+    with nvcomp._lane() as lane:
+        first = _call(lane)
+    with nvcomp._lane() as again:
+        assert again is lane and _call(again) is first and first() is not None
     assert lanes.registered == [nvcomp._release]  # the exit handler, once
 
 
-def test_lanes_held_at_once_are_distinct_and_idle_ones_are_capped(
-    lanes: SimpleNamespace,
-) -> None:
-    n = nvcomp.IDLE_LANES + 3
-    codecs = []
-    with ExitStack() as stack:
-        held = [stack.enter_context(nvcomp._lane()) for _ in range(n)]
-        assert len({id(lane) for lane in held}) == n
-        assert len({id(lane.stream) for lane in held}) == n
-        for lane in held:
-            lane.codecs["zstd"] = _Codec()
-            codecs.append(weakref.ref(lane.codecs["zstd"]))
-    assert len(nvcomp._idle[0]) == nvcomp.IDLE_LANES
-    del held, lane
+def test_only_a_few_threads_keep_their_codecs(lanes: SimpleNamespace) -> None:
+    """Threads alive at once: the first KEPT_CODECS to finish a call keep their codecs,
+    the others' codecs go as their call ends; all go with their threads."""
+    n = nvcomp.KEPT_CODECS + 3
+    codecs: list[weakref.ref[_Codec]] = []
+    lanes_seen: list[weakref.ref[nvcomp._Lane]] = []
+    called = threading.Semaphore(0)
+    finish = threading.Event()
+
+    def work() -> None:
+        with nvcomp._lane() as lane:
+            codecs.append(_call(lane))
+            lanes_seen.append(weakref.ref(lane))
+        called.release()
+        finish.wait()
+
+    threads = [threading.Thread(target=work) for _ in range(n)]
+    for t in threads:
+        t.start()
+        assert called.acquire(timeout=30)  # one call at a time: the first ones keep
     gc.collect()
-    # the lanes beyond the cap went, with their codecs (and their device scratch)
-    assert len(nvcomp._all_lanes) == nvcomp.IDLE_LANES
-    assert sum(ref() is not None for ref in codecs) == nvcomp.IDLE_LANES
-    assert lanes.registered == [nvcomp._release]
-
-
-def test_a_lane_whose_call_failed_is_not_handed_out_again(lanes: SimpleNamespace) -> None:
-    with pytest.raises(RuntimeError, match="boom"), nvcomp._lane() as failed:
-        failed.codecs["zstd"] = _Codec()
-        raise RuntimeError("boom")
-    assert nvcomp._idle.get(0, []) == []
+    assert [ref() is not None for ref in codecs] == [True] * nvcomp.KEPT_CODECS + [False] * 3
+    assert len({id(ref()) for ref in lanes_seen}) == n  # a lane a thread
+    assert len(nvcomp._keepers[0]) == nvcomp.KEPT_CODECS
+    finish.set()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert [ref() for ref in codecs] == [None] * n
+    assert [ref() for ref in lanes_seen] == [None] * n
+    assert len(nvcomp._all_lanes) == 0 and len(nvcomp._keepers[0]) == 0
+    # a thread that comes later keeps its codecs again
     with nvcomp._lane() as lane:
-        assert lane is not failed and lane.codecs == {}
+        later = _call(lane)
+    assert later() is not None
+
+
+def test_a_failed_call_drops_the_codecs(lanes: SimpleNamespace) -> None:
+    with pytest.raises(RuntimeError, match="boom"), nvcomp._lane() as lane:
+        made = _call(lane)
+        raise RuntimeError("boom")
+    gc.collect()
+    assert made() is None and lane.codecs == {}
+    assert lane not in nvcomp._keepers.get(0, set())
+    with nvcomp._lane() as again:
+        assert again is lane and _call(again)() is not None
 
 
 def test_lanes_belong_to_the_device_current_when_asked(lanes: SimpleNamespace) -> None:
@@ -151,15 +166,25 @@ def test_lanes_belong_to_the_device_current_when_asked(lanes: SimpleNamespace) -
     lanes.gpu = 1
     with nvcomp._lane() as other:
         assert other is not first and other.device == 1
+        assert other.stream is not first.stream
     lanes.gpu = 0
     with nvcomp._lane() as again:
         assert again is first
 
 
 def test_release_drops_the_codecs_of_every_lane(lanes: SimpleNamespace) -> None:
-    with nvcomp._lane() as idle:
-        idle.codecs["zstd"] = _Codec()
-    with nvcomp._lane() as busy:
-        busy.codecs["lz4"] = _Codec()
-        nvcomp._release()  # at exit, a lane may still be held by a thread
-    assert idle.codecs == {} and busy.codecs == {}
+    with nvcomp._lane() as mine:
+        _call(mine)
+    other: list[nvcomp._Lane] = []
+
+    def work() -> None:
+        with nvcomp._lane() as lane:
+            _call(lane)
+            other.append(lane)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert mine.codecs
+    nvcomp._release()
+    assert mine.codecs == {}

@@ -30,22 +30,21 @@ from xarray_gds.errors import ChunkDecodeError
 
 __all__ = ["decode", "decode_frames", "gather", "pack"]
 
-_local = threading.local()  # per thread: compiled kernels
+_local = threading.local()  # per thread: compiled kernels, and a _Lane per device
 
-#: idle lanes kept per device for the next call; more lanes are made while more threads
-#: call at once, and those beyond this many go (with their codecs' scratch memory) as
-#: they are handed back
-IDLE_LANES = 4
+#: threads per device that keep their nvCOMP codecs between calls; the codecs of any
+#: other thread go when its call ends
+KEPT_CODECS = 4
 
 
 class _Lane:
-    """A CUDA stream and the nvCOMP codecs made on it, on one device, used by one thread
-    at a time (a Codec is not thread-safe, and a stream and a Codec belong to the device
-    current when they were made). Lanes are shared by all threads through
-    :func:`_lane`, so the device memory that codecs keep (their scratch space grows to
-    the largest batch they saw) is bounded by how many calls run at once, not by how
-    many threads ever called: dask's, zarr's, the engine's and a caller's pools hold
-    hundreds of threads between them."""
+    """One thread's CUDA stream and nvCOMP codecs on one device. nvCOMP wants a codec
+    made and used by one thread (it is not thread-safe), and a stream and a codec
+    belong to the device current when they were made. A codec's scratch memory grows
+    to the largest batch it saw, and dask's, zarr's, the engine's and a caller's pools
+    hold hundreds of threads between them: so only :data:`KEPT_CODECS` threads a
+    device keep their codecs between calls (the first to finish one), and the others
+    drop theirs, in their own thread, when the call ends. A lane goes with its thread."""
 
     __slots__ = ("__weakref__", "codecs", "device", "stream")
 
@@ -55,9 +54,9 @@ class _Lane:
         self.codecs: dict[str, Any] = {}
 
 
-_idle: dict[int, list[_Lane]] = {}  # per device, the lanes no call holds
-_idle_lock = threading.Lock()
-_all_lanes: weakref.WeakSet[_Lane] = weakref.WeakSet()  # every lane alive, for _release
+_lock = threading.Lock()
+_all_lanes: weakref.WeakSet[_Lane] = weakref.WeakSet()  # every live thread's, for _release
+_keepers: dict[int, weakref.WeakSet[_Lane]] = {}  # per device, the lanes that keep codecs
 _release_registered = False
 
 
@@ -74,36 +73,43 @@ def _nvcomp() -> Any:
 
 @contextmanager
 def _lane() -> Iterator[_Lane]:
-    """A lane of the current device for the calls inside the ``with``: an idle one
-    (the one used last: its codecs are warm), or a new one when every lane is held.
-    It is handed back for the next call, unless the block raised (nvCOMP's state after
-    a failed call is not trusted: the next call gets a fresh codec) or
-    :data:`IDLE_LANES` are idle already."""
+    """This thread's lane on the current device, for the nvCOMP calls inside the
+    ``with``. When the block ends, the lane's codecs stay if it is one of the
+    :data:`KEPT_CODECS` keepers of the device (or can become one), and are dropped
+    otherwise; a block that raised always drops them (nvCOMP's state after a failed
+    call is not trusted: the next call makes fresh ones)."""
     global _release_registered
     cp = _device.cupy()
     gpu = cp.cuda.Device().id
-    with _idle_lock:
-        idle = _idle.get(gpu)
-        lane = idle.pop() if idle else None
-        if lane is None and not _release_registered:
-            # registered after CuPy's own exit handlers, so it runs before them:
-            # nvCOMP codecs must go before the streams and the context they use
-            atexit.register(_release)
-            _release_registered = True
+    per_device = _local.__dict__.setdefault("lanes", {})
+    lane = per_device.get(gpu)
     if lane is None:
-        lane = _Lane(cp.cuda.Stream(non_blocking=True), gpu)
+        with _lock:
+            if not _release_registered:
+                # registered after CuPy's own exit handlers, so it runs before them:
+                # nvCOMP codecs must go before the streams and the context they use
+                atexit.register(_release)
+                _release_registered = True
+        lane = per_device[gpu] = _Lane(cp.cuda.Stream(non_blocking=True), gpu)
         _all_lanes.add(lane)
-    yield lane  # on an exception, the lane is dropped
-    with _idle_lock:
-        idle = _idle.setdefault(gpu, [])
-        if len(idle) < IDLE_LANES:
-            idle.append(lane)
+    try:
+        yield lane
+    except BaseException:
+        lane.codecs.clear()
+        with _lock:
+            _keepers.get(gpu, weakref.WeakSet()).discard(lane)
+        raise
+    with _lock:
+        keepers = _keepers.setdefault(gpu, weakref.WeakSet())
+        if lane not in keepers and len(keepers) < KEPT_CODECS:
+            keepers.add(lane)
+        keep = lane in keepers
+    if not keep:
+        lane.codecs.clear()
 
 
 def _release() -> None:
     """Drop every lane's codecs (at exit, before CUDA goes)."""
-    with _idle_lock:
-        _idle.clear()
     for lane in list(_all_lanes):
         lane.codecs.clear()
 
