@@ -183,15 +183,28 @@ class _FakeDeviceArray(np.ndarray):
 
     def set(self, value: np.ndarray, stream: Any = None) -> None:
         assert stream is not None and isinstance(stream, _FakeStream)
+        # a copy on a stream of its own must come after what the current stream has
+        # queued: CuPy's pool may hand out memory that kernels queued there still use
+        assert stream.current or any(e.source.current for e in stream.waited), (
+            "a copy on another stream without waiting for the current stream"
+        )
         self[...] = value
 
 
 class _FakeStream:
-    def __init__(self, non_blocking: bool = False) -> None:
+    def __init__(self, non_blocking: bool = False, current: bool = False) -> None:
         self.synchronized = 0
+        self.current = current
+        self.waited: list[Any] = []
 
     def synchronize(self) -> None:
         self.synchronized += 1
+
+    def record(self) -> Any:
+        return types.SimpleNamespace(source=self)
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
 
 
 class _FakeDevice:
@@ -208,7 +221,7 @@ class _FakeDevice:
 def _fake_cupy() -> Any:
     """numpy, with ``empty`` giving device-like arrays (filled with 0xAB, so that a row
     nobody copied shows) and the ``cuda`` names decode_staged and read_device use."""
-    stream = _FakeStream()
+    stream = _FakeStream(current=True)
 
     def empty(shape: Any, dtype: Any = np.float64) -> Any:
         out = np.empty(shape, dtype=dtype).view(_FakeDeviceArray)

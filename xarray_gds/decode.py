@@ -192,6 +192,10 @@ def decode_staged(
     rows = cp.empty((n, nbytes), dtype=np.uint8)
     device = rows.device.id
     stream = _copy_stream()
+    # the copies run on a stream of their own: after what the current stream has queued
+    # (CuPy's pool may have handed out, as rows, memory that kernels queued there still
+    # write: a buffer another read just freed)
+    stream.wait_event(cp.cuda.get_current_stream().record())
     with staging.lease(n * nbytes) as pinned:
         out = pinned.reshape(n, nbytes)
 
@@ -239,6 +243,10 @@ def decode_split(
     rows = cp.empty((n, nbytes), dtype=np.uint8)
     device = rows.device.id
     stream = _copy_stream()
+    # the copies run on a stream of their own: after what the current stream has queued
+    # (CuPy's pool may have handed out, as rows, memory that kernels queued there still
+    # write: a buffer another read just freed)
+    stream.wait_event(cp.cuda.get_current_stream().record())
     with staging.lease(host * nbytes) as pinned:
         out = pinned.reshape(host, nbytes)
 
