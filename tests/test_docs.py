@@ -150,23 +150,36 @@ def test_the_case_table_names_every_bench_case() -> None:
     assert sorted(named) == sorted(CASES)
 
 
-def test_bench_chart_matches_its_data() -> None:
+@pytest.mark.parametrize("card", ["h200", "h100"])
+def test_bench_chart_matches_its_data(card: str) -> None:
     # the committed image is what the script draws from the committed JSON, byte for
     # byte: regenerate both with `python scripts/plot_bench.py` after a new run
     plot = _plot_bench()
-    drawn = plot.svg(plot.load(plot.DATA))
-    assert plot.IMAGE.read_text() == drawn, (
-        "docs/img/bench-h200.svg is stale: run `python scripts/plot_bench.py`"
+    data, image = DOCS / "data" / f"bench-{card}.json", DOCS / "img" / f"bench-{card}.svg"
+    drawn = plot.svg(plot.load(data))
+    assert image.read_text() == drawn, (
+        f"docs/img/bench-{card}.svg is stale: run "
+        f"`python scripts/plot_bench.py docs/data/bench-{card}.json docs/img/bench-{card}.svg`"
     )
 
 
-def test_bench_table_on_the_page_matches_its_data() -> None:
+@pytest.mark.parametrize("card", ["h200", "h100"])
+def test_bench_table_on_the_page_matches_its_data(card: str) -> None:
     plot = _plot_bench()
     page = (DOCS / "performance.md").read_text()
-    assert plot.table(plot.load(plot.DATA)) in page, (
-        "the H200 table of docs/performance.md differs from docs/data/bench-h200.json: "
-        "paste the output of `python scripts/plot_bench.py --table`"
+    assert plot.table(plot.load(DOCS / "data" / f"bench-{card}.json")) in page, (
+        f"the {card.upper()} table of docs/performance.md differs from "
+        f"docs/data/bench-{card}.json: paste the output of "
+        f"`python scripts/plot_bench.py docs/data/bench-{card}.json --table`"
     )
+
+
+def test_the_remote_cases_pair_with_the_faster_zarr_client() -> None:
+    plot = _plot_bench()
+    seconds = {"gds-zarr": 1.0, "zarr (fsspec)": 3.0, "zarr (obstore)": 2.0, "raw GETs": 0.5}
+    assert plot.pairs({"seconds": seconds}) == [("", "gds-zarr", "zarr (obstore)")]
+    seconds["zarr (fsspec)"] = 1.5
+    assert plot.pairs({"seconds": seconds}) == [("", "gds-zarr", "zarr (fsspec)")]
 
 
 def test_bench_chart_pairs_suffixes_and_plain_output(tmp_path: Path) -> None:
