@@ -26,6 +26,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # EXTRA_SITE: a directory that more wheels were installed into beforehand (e.g. the
 # remote tests' moto stack, kept apart from .whl: see docs/development.md)
 export PYTHONPATH=/tmp/site${EXTRA_SITE:+:$EXTRA_SITE} PYTHONUNBUFFERED=1
+# nginx bundled by scripts/gpu-nginx.sh, for the remote cases and tests on a machine
+# without it
+if [ -x .nginx/nginx ]; then
+  PATH=$PWD/.nginx:$PATH
+  export PATH
+fi
 # the commit the wheels were made at (gpu-wheels.sh), for the benchmark's results
 if [ -s .whl/COMMIT ] && [ -z "${XARRAY_GDS_BENCH_COMMIT:-}" ]; then
   XARRAY_GDS_BENCH_COMMIT=$(cat .whl/COMMIT)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tomllib
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -271,3 +272,36 @@ def test_gpu_wheels_rejects_unknown_options() -> None:
     assert done.returncode == 2
     assert "unknown option --bogus" in done.stderr
     assert "--python-version V" in _gpu_wheels("--help").stdout
+
+
+def test_gpu_nginx_bundle_serves_with_its_own_libraries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/gpu-nginx.sh: the bundle starts nginx through its own loader and
+    libraries (a machine with another C library runs it), and the project's nginx
+    runner serves through it when it is first on PATH."""
+    from tests._nginx import require_nginx
+    from xarray_gds.tools import nginx
+
+    require_nginx()
+    bundle = tmp_path / "bundle"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-nginx.sh"), "--dir", str(bundle)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "nginx version: nginx/" in done.stderr
+    libs = sorted(p.name for p in (bundle / "lib").iterdir())
+    assert "libc.so.6" in libs and any(name.startswith("ld-linux") for name in libs)
+    wrapper = (bundle / "nginx").read_text()
+    assert "--library-path" in wrapper and os.access(bundle / "nginx", os.X_OK)
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "x.bin").write_bytes(b"0123456789")
+    monkeypatch.setattr(nginx, "NGINX", str(bundle / "nginx"))
+    with nginx.serve(tmp_path / "www", tls=False) as server:
+        request = urllib.request.Request(server.http + "/x.bin", headers={"Range": "bytes=2-5"})
+        with urllib.request.urlopen(request, timeout=10) as got:
+            assert got.status == 206 and got.read() == b"2345"
+    assert subprocess.run([str(bundle / "nginx"), "-v"], capture_output=True).returncode == 0
