@@ -420,10 +420,10 @@ MUTANTS: list[Mutant] = [
         "seen = set()",
         "tests/test_writers.py",
     ),
-    # stores/remote.py and stores/refs.py: the parts of the GPU paths that need no GPU
+    # stores/remote_device.py and stores/refs.py: the parts of the GPU paths that need no GPU
     Mutant(
         "remote:short-read-accepted",
-        "xarray_gds/stores/remote.py",
+        "xarray_gds/stores/remote_device.py",
         "if future.get() != sizes[i]:",
         "if future.get() > sizes[i]:",
         (f"{T_HOST}::test_read_device_retries_short_reads",),

@@ -24,7 +24,7 @@ from xarray_gds import coalesce, decode, fuse, route, stores
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, plan_chain
 from xarray_gds.codecs.formats import get
-from xarray_gds.stores import refs, remote
+from xarray_gds.stores import refs, remote_device
 from xarray_gds.stores.local import GdsStore
 
 # -- the decode route -------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_read_device_retries_short_reads(monkeypatch: pytest.MonkeyPatch, ranged
     keys = ["a", "b"]
     starts = np.array([10, 5], dtype=np.int64) if ranged else None
     sizes = np.array([80, 30], dtype=np.int64) if ranged else None
-    got = remote.read_device(
+    got = remote_device.read_device(
         [store, store], keys, ranges=None if starts is None else (starts, sizes)
     )
     for i, key in enumerate(keys):
@@ -356,7 +356,7 @@ def test_read_device_retries_short_reads(monkeypatch: pytest.MonkeyPatch, ranged
         "short read; check the server and the network$",
     ):
         one = (np.array([10]), np.array([40])) if ranged else None
-        remote.read_device([store], ["c"], ranges=one)
+        remote_device.read_device([store], ["c"], ranges=one)
     assert calls == ["c"] * 3
 
 

@@ -176,7 +176,7 @@ def test_read_many_writes_into_the_arrays_given(store: Path, ref: xr.Dataset) ->
 
     from xarray_gds import region
     from xarray_gds.array import read_many
-    from xarray_gds.loader import _engine_source
+    from xarray_gds.loader.variables import engine_source as _engine_source
 
     ds = _gds(store)
     times = [0, 5, 22, 6]

@@ -266,40 +266,40 @@ def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
     refused listing (here: no such bucket) leaves every size to be asked for."""
     from zarr.storage import FsspecStore
 
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import listings
 
     store = FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
     fs = s3fs.S3FileSystem(**s3)
     present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
-    assert len(present) >= remote.LIST_MIN_KEYS
+    assert len(present) >= listings.LIST_MIN_KEYS
     keys = [*present, "t/c/9/9/9"]
-    listing = remote.list_sizes(store, keys)
+    listing = listings.list_sizes(store, keys)
     assert listing is not None
     assert listing.sizes == {k: fs.size(f"{s3_store[5:]}/{k}") for k in present}
     assert listing.missing("t/c/9/9/9") and not any(listing.missing(k) for k in present)
-    assert remote.list_sizes(store, present[:2]) is None  # too few to be worth a listing
+    assert listings.list_sizes(store, present[:2]) is None  # too few to be worth a listing
 
-    monkeypatch.setattr(remote, "LIST_PAGE", 3)  # one page of 3 objects: cut short
-    short = remote.list_sizes(store, keys)
+    monkeypatch.setattr(listings, "LIST_PAGE", 3)  # one page of 3 objects: cut short
+    short = listings.list_sizes(store, keys)
     assert short is not None and sorted(short.sizes) == present[:3]
     assert not any(short.missing(k) for k in keys[3:])
 
     nowhere = FsspecStore.from_url("s3://no-such-bucket/x.zarr", storage_options=s3)
-    assert remote.list_sizes(nowhere, keys) is None
+    assert listings.list_sizes(nowhere, keys) is None
 
 
 def test_obstore_listing_gives_the_sizes_of_whole_objects(s3, s3_store):
     """The same listing through obstore (the store the engine opens an s3:// URL
     with): sizes as the server has them, absent keys known missing."""
     from xarray_gds.backend import open_store
-    from xarray_gds.stores import objstore, remote
+    from xarray_gds.stores import listings, objstore
 
     store = open_store(s3_store, storage_options=s3)
     assert objstore.inner(store) is not None
     fs = s3fs.S3FileSystem(**s3)
     present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
     keys = [*present, "t/c/9/9/9"]
-    listing = remote.list_sizes(store, keys)
+    listing = listings.list_sizes(store, keys)
     assert listing is not None
     assert listing.sizes == {k: fs.size(f"{s3_store[5:]}/{k}") for k in present}
     assert listing.missing("t/c/9/9/9") and not any(listing.missing(k) for k in present)
@@ -311,7 +311,7 @@ def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
     """Inner chunks of shards read by kvikio on the device: one handle a shard, ranges
     joined across gaps (or not, with range_gap=-1), each copied to its own slot."""
     cupy = pytest.importorskip("cupy")
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import remote_device
 
     url = "s3://data/sharded-device.zarr"
     ds = _dataset()
@@ -319,13 +319,13 @@ def test_sharded_s3_kvikio_route_matches_zarr(s3, monkeypatch, gap):
     encoding = {"t": {"chunks": (1, 4, 5), "shards": (2, 8, 10)}}
     ds[["t"]].to_zarr(url, storage_options=s3, mode="w", encoding=encoding, consolidated=False)
     calls = []
-    real = remote.read_device
+    real = remote_device.read_device
 
     def spy(stores, keys, retries=3, ranges=None):
         calls.append((len(keys), ranges is not None))
         return real(stores, keys, retries, ranges)
 
-    monkeypatch.setattr(remote, "read_device", spy)
+    monkeypatch.setattr(remote_device, "read_device", spy)
     config = {} if gap is None else {"xarray_gds.range_gap": gap}
     with zarr.config.set(config):
         loaded = xr.open_dataset(url, engine="gds-zarr", storage_options=s3, device="cuda").load()
@@ -346,7 +346,7 @@ def test_s3_kvikio_route_takes_sizes_from_a_listing(s3, monkeypatch):
     """Whole chunk objects read by kvikio open with their size from one listing (no HEAD
     request each); a chunk the listing does not hold is the fill value, never opened."""
     cupy = pytest.importorskip("cupy")
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import remote_device
 
     url = "s3://data/listed.zarr"
     ds = _dataset()
@@ -354,13 +354,13 @@ def test_s3_kvikio_route_takes_sizes_from_a_listing(s3, monkeypatch):
     encoding = {"t": {"chunks": (1, 4, 5)}}  # 24 chunks, 22 written
     ds[["t"]].to_zarr(url, storage_options=s3, mode="w", encoding=encoding, consolidated=False)
     opened: list[tuple[str, int | None]] = []
-    real = remote._open_remote
+    real = remote_device._open_remote
 
     def spy(kvikio, target, args, nbytes=None):
         opened.append((target, nbytes))
         return real(kvikio, target, args, nbytes)
 
-    monkeypatch.setattr(remote, "_open_remote", spy)
+    monkeypatch.setattr(remote_device, "_open_remote", spy)
     loaded = xr.open_dataset(url, engine="gds-zarr", storage_options=s3, device="cuda").load()
     assert isinstance(loaded.t.data, cupy.ndarray)
     ref = xr.open_dataset(url, engine="zarr", storage_options=s3).load()
@@ -550,24 +550,24 @@ def _tries_bounded(server: _FaultServer, err: pytest.ExceptionInfo[BaseException
     failure cancels the reads still going)."""
     import re
 
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
     key = re.search(r"chunk '([^']+)'", str(err.value)).group(1)
     counts = _t_keys(server)
-    assert counts[f"/{server.store}/{key}"] == remote.READ_ATTEMPTS
-    assert max(counts.values()) == remote.READ_ATTEMPTS
+    assert counts[f"/{server.store}/{key}"] == urls.READ_ATTEMPTS
+    assert max(counts.values()) == urls.READ_ATTEMPTS
 
 
 def test_truncated_bodies_are_tried_again(faulty, fault_root):
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
-    server = faulty("truncate", times=remote.READ_ATTEMPTS - 1)
+    server = faulty("truncate", times=urls.READ_ATTEMPTS - 1)
     ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu").load()
     ref = xr.open_dataset(fault_root / "one.zarr", engine="zarr").load()
     xr.testing.assert_identical(ours, ref)
     counts = _t_keys(server)
     assert len(counts) == 12  # every chunk of t: 3 x 2 x 2
-    assert set(counts.values()) == {remote.READ_ATTEMPTS}  # two cut, the third whole
+    assert set(counts.values()) == {urls.READ_ATTEMPTS}  # two cut, the third whole
 
 
 def test_truncated_bodies_for_good_raise(faulty):
@@ -735,10 +735,10 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
     """Inner chunks of shards are byte ranges: one that comes back shorter than asked
     (with a Content-Length that matches, so aiohttp cannot tell) is caught by the length
     check, tried again, and never decoded."""
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
     ref = xr.open_dataset(fault_root / "sharded.zarr", engine="zarr").load()
-    server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
+    server = faulty("short", times=urls.READ_ATTEMPTS - 1, store="sharded.zarr")
     ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
     xr.testing.assert_identical(ours.load(), ref)
     counts = _t_keys(server)
@@ -747,13 +747,13 @@ def test_short_ranges_of_a_shard(faulty, fault_root):
     assert len(index) == 3 and set(index.values()) == {1}  # one shard index a shard
     # the 8 inner chunks of a shard lie one after the other: one joined range a shard
     # (xarray_gds.range_gap), tried until it comes back whole
-    assert len(inner) == 3 and set(inner.values()) == {remote.READ_ATTEMPTS}
+    assert len(inner) == 3 and set(inner.values()) == {urls.READ_ATTEMPTS}
     with zarr.config.set({"xarray_gds.range_gap": -1}):  # never joined: one an inner chunk
-        server = faulty("short", times=remote.READ_ATTEMPTS - 1, store="sharded.zarr")
+        server = faulty("short", times=urls.READ_ATTEMPTS - 1, store="sharded.zarr")
         ours = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")
         xr.testing.assert_identical(ours.load(), ref)
     inner = {k: n for k, n in _t_keys(server).items() if "bytes=-" not in k}
-    assert len(inner) == 3 * 8 and set(inner.values()) == {remote.READ_ATTEMPTS}
+    assert len(inner) == 3 * 8 and set(inner.values()) == {urls.READ_ATTEMPTS}
 
     server = faulty("short", store="sharded.zarr")
     ds = xr.open_dataset(server.url, engine="gds-zarr", device="cpu")

@@ -170,13 +170,13 @@ def test_listing_refused_is_unavailable_not_empty(nginx: Nginx):
     gives no listing at all, never an empty one (which would make every chunk a fill
     value)."""
     from xarray_gds.backend import open_store
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import listings
 
     store = open_store("s3://bucket/big.zarr", storage_options=_s3(nginx))
     keys = _keys(nginx.root / "bucket" / "big.zarr")
-    assert len(keys) >= remote.LIST_MIN_KEYS
+    assert len(keys) >= listings.LIST_MIN_KEYS
     nginx.clear()
-    assert remote.list_sizes(store, keys) is None
+    assert listings.list_sizes(store, keys) is None
     assert [(r.method, r.status) for r in nginx.requests()] == [("GET", 501)]
 
 
@@ -209,7 +209,7 @@ def test_server_stopped_in_the_middle_of_a_read(
     the read fails within a bounded time with a ConnectionError naming a chunk and
     the store, after the bounded tries, and the reads still queued are cancelled."""
     from xarray_gds import decode
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
     require_nginx()
     big = _big(tmp_path / "big.zarr")
@@ -229,7 +229,7 @@ def test_server_stopped_in_the_middle_of_a_read(
             pytest.raises(
                 ConnectionError,
                 match=rf"chunk 't/c/\d/\d/\d' of the remote Zarr store '{url}' after "
-                rf"{remote.READ_ATTEMPTS} tries: the server cannot be reached.*check that "
+                rf"{urls.READ_ATTEMPTS} tries: the server cannot be reached.*check that "
                 r"it is up and the URL",
             ),
         ):

@@ -434,43 +434,30 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         Parameters
         ----------
         filename_or_obj : str, os.PathLike, zarr.abc.store.Store or zarr.Group
-            A local Zarr directory, any zarr Store, or a ``zarr.Group`` (its store,
-            at its path). A ``zarr.Array`` is refused with a ``TypeError`` that
-            says what to pass.
-        mask_and_scale : bool or mapping of name to bool
+            A local Zarr directory, any zarr Store, or a ``zarr.Group`` (its store, at its
+            path). A ``zarr.Array`` is refused with a ``TypeError`` that says what to pass.
+        mask_and_scale, decode_times, concat_characters, decode_coords, drop_variables
             As for :func:`xarray.open_dataset`.
-        decode_times : bool, CFDatetimeCoder or mapping
-            As for :func:`xarray.open_dataset`.
-        concat_characters : bool or mapping
-            As for :func:`xarray.open_dataset`.
-        decode_coords : bool or {"coordinates", "all"}
-            As for :func:`xarray.open_dataset`.
-        drop_variables : str or iterable of str, optional
-            Variables to leave out.
-        use_cftime : bool, optional
-            As for :func:`xarray.open_dataset` (deprecated there in favour of
-            ``decode_times=xr.coders.CFDatetimeCoder(use_cftime=...)``).
-        decode_timedelta : bool, CFTimedeltaCoder or mapping, optional
-            As for :func:`xarray.open_dataset`.
+        use_cftime, decode_timedelta : optional
+            As for :func:`xarray.open_dataset` (``use_cftime`` is deprecated there in
+            favour of ``decode_times=xr.coders.CFDatetimeCoder(use_cftime=...)``).
         group : str, optional
-            Path of the group to open (relative to a ``zarr.Group`` passed as
-            ``filename_or_obj``).
+            Path of the group to open (relative to a ``zarr.Group`` given as ``filename_or_obj``).
         mode : {"r", "r+", "a", "a-"}
-            How the store is opened, as with ``engine="zarr"``: ``"r"`` (default)
-            read-only; the others open it writable (a local directory becomes a
-            writable :class:`GdsStore`), which changes nothing in what is read but
-            turns off the NCZarr dimension fallback, as with ``engine="zarr"``.
-            ``"w"`` and ``"w-"``, which erase or create a store with
-            ``engine="zarr"``, raise ``ValueError``.
+            How the store is opened, as with ``engine="zarr"``: ``"r"`` (default) read-only;
+            the others open it writable (a local directory becomes a writable
+            :class:`GdsStore`), which changes nothing in what is read but turns off the
+            NCZarr dimension fallback, as with ``engine="zarr"``. ``"w"`` and ``"w-"``,
+            which erase or create a store with ``engine="zarr"``, raise ``ValueError``.
         consolidated : bool or None
             Use consolidated metadata: ``None`` tries it and falls back, ``True``
             requires it, ``False`` ignores it (as ``engine="zarr"``).
         storage_options : dict, optional
-            Options of the store a remote URL (``s3://``, ``http(s)://``, ...) is
-            opened with (credentials, ``endpoint_url``, ...; see the remote stores
-            page): the engine reads such URLs itself, with bounded retries, on the
-            GPU through kvikio where it can. With a local path or a Store object,
-            zarr raises ``TypeError`` for them, as with ``engine="zarr"``.
+            Options of the store a remote URL (``s3://``, ``http(s)://``, ...) is opened
+            with (credentials, ``endpoint_url``, ...; see the remote stores page): the
+            engine reads such URLs itself, with bounded retries, on the GPU through kvikio
+            where it can. With a local path or a Store object, zarr raises ``TypeError``
+            for them, as with ``engine="zarr"``.
         zarr_format : {None, 2, 3}
             Zarr format to read; ``None`` detects it.
         use_zarr_fill_value_as_mask : bool, optional
@@ -496,17 +483,7 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         """
         given = locals()  # the arguments, before any other name is bound
         dev, gpu = _device.resolve(device)
-        if store is not None:
-            if not isinstance(store, ZarrStore):
-                raise TypeError(
-                    "store= takes an xarray.backends.ZarrStore (as with engine='zarr'), "
-                    f"not {type(store).__name__}; pass a zarr Store as filename_or_obj"
-                )
-            zstore = store
-        else:
-            opening = {name: given[name] for name in _OPEN_ARGUMENTS}
-            _, stores = _open_stores(filename_or_obj, group, **opening, all_groups=False)
-            (zstore,) = stores.values()
+        zstore = _one_store(store, filename_or_obj, group, given)
         with close_on_error(zstore):
             return _dataset_from_store(zstore, dev, {name: given[name] for name in _DECODERS}, gpu)
 
@@ -539,6 +516,28 @@ class GdsZarrBackendEntrypoint(BackendEntrypoint):
         return datatree_from_dict_with_io_cleanup(
             self.open_groups_as_dict(filename_or_obj, **kwargs)
         )
+
+
+def _one_store(
+    store: ZarrStore | None,
+    filename_or_obj: Any,
+    group: str | None,
+    given: Mapping[str, Any],
+) -> ZarrStore:
+    """The xarray ZarrStore ``open_dataset`` reads: ``store`` when one is given (checked
+    to be one), else the group ``group`` of ``filename_or_obj`` opened with the opening
+    arguments of ``given`` (:data:`_OPEN_ARGUMENTS`)."""
+    if store is not None:
+        if not isinstance(store, ZarrStore):
+            raise TypeError(
+                "store= takes an xarray.backends.ZarrStore (as with engine='zarr'), "
+                f"not {type(store).__name__}; pass a zarr Store as filename_or_obj"
+            )
+        return store
+    opening = {name: given[name] for name in _OPEN_ARGUMENTS}
+    _, stores = _open_stores(filename_or_obj, group, **opening, all_groups=False)
+    (zstore,) = stores.values()
+    return zstore
 
 
 def _groups_signature() -> inspect.Signature:

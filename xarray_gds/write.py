@@ -152,11 +152,7 @@ def to_zarr(
     """
     if levels not in _LEVELS:
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
-    if isinstance(store, str | os.PathLike):  # a path or URL its store kind opens
-        opened = open_target(store, mode="w", storage_options=kwargs.get("storage_options"))
-        if opened is not None and opened.storage_options is None:
-            kwargs.pop("storage_options", None)  # the store took them
-        store = store if opened is None else opened.store
+    store = _opened(store, kwargs)
     prepared, user_dask = for_device_write(ds)
     if not user_dask:
         # every dask variable is one of the one-block ones made here: one task writes
@@ -166,18 +162,48 @@ def to_zarr(
     if not isinstance(store, Store):
         store = _as_store(store, kwargs.pop("storage_options", None))
     if source_for(store).commits:
-        # its commit is the all-or-nothing guarantee, and it checks chunk keys against
-        # the metadata: written in the order zarr writes them, nothing held back
-        try:
-            with writing_to(store, levels):
-                return _write(prepared, store, ds, kwargs)
-        except Exception as err:
-            err.add_note(_uncommitted_note(store))
-            raise
-    # every other store: metadata goes to it after the data it describes (see
-    # xarray_gds.deferred); with compute=False after what this call writes, as xarray
-    # writes it at once (a store initialised with compute=False is the template of
-    # later region writes)
+        return _write_committed(prepared, store, ds, kwargs, levels)
+    return _write_held(prepared, store, ds, kwargs, levels, lock_timeout)
+
+
+def _opened(store: Any, kwargs: dict[str, Any]) -> Any:
+    """The store of a path or URL, opened by its store kind (the ``storage_options`` of
+    ``kwargs`` dropped where the store took them); any other ``store`` as it is."""
+    if isinstance(store, str | os.PathLike):
+        opened = open_target(store, mode="w", storage_options=kwargs.get("storage_options"))
+        if opened is not None and opened.storage_options is None:
+            kwargs.pop("storage_options", None)  # the store took them
+        store = store if opened is None else opened.store
+    return store
+
+
+def _write_committed(
+    prepared: xr.Dataset, store: Store, ds: xr.Dataset, kwargs: dict[str, Any], levels: str
+) -> Any:
+    """The write into a store whose commit publishes it (an Icechunk session): its
+    commit is the all-or-nothing guarantee, and it checks chunk keys against the
+    metadata, so everything is written in the order zarr writes it, nothing held back."""
+    try:
+        with writing_to(store, levels):
+            return _write(prepared, store, ds, kwargs)
+    except Exception as err:
+        err.add_note(_uncommitted_note(store))
+        raise
+
+
+def _write_held(
+    prepared: xr.Dataset,
+    store: Store,
+    ds: xr.Dataset,
+    kwargs: dict[str, Any],
+    levels: str,
+    lock_timeout: float | None,
+) -> Any:
+    """The write into any other store: its metadata goes to it after the data it
+    describes (see :mod:`xarray_gds.deferred`); with ``compute=False`` after what this
+    call writes, as xarray writes it at once (a store initialised with ``compute=False``
+    is the template of later region writes). A remote store out of reach raises an
+    error that says what to check."""
     held = HeldMetadataStore(store, lock_timeout=lock_timeout)
     failure: BaseException | None = None
     try:

@@ -13,8 +13,8 @@ and the bytes of inline chunks. :class:`IcechunkSource` reads from there:
   ``pread`` on the host);
 - native chunks of a repository on S3 (``s3://<bucket>/<prefix>/chunks/<id>``) and
   virtual chunks at ``s3://`` and ``http(s)://`` URLs: the remote route
-  (:func:`xarray_gds.stores.remote.read_device`, kvikio's ``RemoteFile``; on the host
-  :func:`xarray_gds.stores.remote.read_host`, with its bounded retries);
+  (:func:`xarray_gds.stores.remote_device.read_device`, kvikio's ``RemoteFile``; on the host
+  :func:`xarray_gds.stores.remote_host.read_host`, with its bounded retries);
 - inline chunks: the bytes Icechunk hands over.
 
 Native chunks need to know where the repository's storage lies, which a session does
@@ -43,7 +43,7 @@ from zarr.storage import WrapperStore
 
 from xarray_gds.batch import DeviceBatch, Fetched, HostBatch
 from xarray_gds.errors import XarrayGdsWarning, array_of, warn
-from xarray_gds.stores import remote
+from xarray_gds.stores import remote, remote_device, remote_host
 from xarray_gds.stores.base import Opened, Ranges, Source, join
 from xarray_gds.stores.generic import StoreSource
 from xarray_gds.stores.refs import Reference, narrow, read_references
@@ -574,10 +574,10 @@ def _read_remote(locations: list[_Remote], on_device: bool) -> Fetched:
         np.array([loc.size for loc in locations], dtype=np.int64),
     )
     if on_device:
-        got: DeviceBatch = remote.read_device(stores, names, ranges=ranges)
+        got: DeviceBatch = remote_device.read_device(stores, names, ranges=ranges)
         missing = np.flatnonzero(got.sizes < 0).tolist()
     else:
-        found = remote.read_host(stores, names, ranges)
+        found = remote_host.read_host(stores, names, ranges)
         missing = [i for i, data in enumerate(found) if data is None]
     if missing:  # Icechunk lists the chunk: its object is gone, or the storage is not this
         loc = locations[missing[0]]

@@ -16,6 +16,7 @@ the bytes the parser reads (headers, block-start tables, stream size prefixes).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NoReturn
 
@@ -390,97 +391,10 @@ def _parse(
 ) -> BloscStreams:
     """:func:`parse_frames` once the frames are placed: frame ``i`` is ``lengths[i]``
     bytes (at least a header) at byte ``offset[i]`` of buffer ``which[i]`` of ``words``."""
-    n = len(lengths)
-    head = _read_i32(words, np.repeat(which, 4), (offset[:, None] + np.arange(0, 16, 4)).ravel())
-    head = head.reshape(n, 4)
-    version, versionlz = head[:, 0] & 0xFF, (head[:, 0] >> 8) & 0xFF
-    flags, typesize = (head[:, 0] >> 16) & 0xFF, (head[:, 0] >> 24) & 0xFF
-    h_nbytes, blocksize, cbytes = head[:, 1], head[:, 2], head[:, 3]
-    code = flags >> 5
-
-    def fail(bad: np.ndarray, reason: Callable[[int], str]) -> None:
-        i = _first(bad)
-        if i is not None:
-            raise ChunkDecodeError(keys[i], _CODEC, reason(i))
-
-    fail(
-        version != FORMAT_VERSION,
-        lambda i: (
-            f"Blosc format version {version[i]} is not supported (only version "
-            f"{FORMAT_VERSION}, written by c-blosc 1.x and numcodecs; is it a Blosc frame?)"
-        ),
-    )
-    fail(
-        (flags & _RESERVED) != 0,
-        lambda i: f"header flags {flags[i]:#04x} set the reserved bit 3",
-    )
-    fail(code >= len(CNAMES), lambda i: f"unknown compressor code {code[i]} in the header flags")
-    fail(
-        versionlz != 1,
-        lambda i: f"{CNAMES[code[i]]} format version {versionlz[i]} is not supported (only 1)",
-    )
-    fail(typesize == 0, lambda i: "typesize 0 in the header")
-    i = _first(h_nbytes != nbytes)
-    if i is not None:  # the chunk's decoded size: it or the metadata may be wrong
-        raise ChunkDecodeError(
-            keys[i],
-            _CODEC,
-            f"header declares {h_nbytes[i]} decoded bytes, expected {nbytes}",
-            decoded=int(h_nbytes[i]),
-            expected=nbytes,
-        )
-    fail(
-        cbytes != lengths,
-        lambda i: (
-            f"header declares a {cbytes[i]}-byte frame but {lengths[i]} bytes are "
-            "stored (truncated, or trailing bytes)"
-        ),
-    )
-    memcpyed = (flags & _MEMCPYED) != 0
-    shuffle = np.where(
-        memcpyed,
-        0,
-        np.where(
-            ((flags & _SHUFFLE) != 0) & (typesize > 1), 1, np.where(flags & _BITSHUFFLE, 2, 0)
-        ),
-    )
-    cname = tuple(CNAMES[c] for c in code)
-
+    head = _read_headers(words, which, offset)
+    _check_headers(head, lengths, keys, nbytes)
     if nbytes > 0:
-        fail(
-            (blocksize <= 0) | (blocksize > nbytes),
-            lambda i: f"block size {blocksize[i]} in the header is not in 1..{nbytes}",
-        )
-        fail(
-            memcpyed & (cbytes != nbytes + HEADER_NBYTES),
-            lambda i: (
-                f"an uncompressed (memcpyed) frame of {nbytes} bytes must be "
-                f"{nbytes + HEADER_NBYTES} bytes long, not {cbytes[i]}"
-            ),
-        )
-        nblocks = -(-nbytes // np.maximum(blocksize, 1))
-        fail(
-            ~memcpyed & (cbytes < HEADER_NBYTES + 4 * nblocks),
-            lambda i: (
-                f"the table of {nblocks[i]} block starts does not fit in the {cbytes[i]}-byte frame"
-            ),
-        )
-        split = (
-            ((flags & _DONT_SPLIT) == 0)
-            & (typesize <= _MAX_SPLITS)
-            & (blocksize // typesize >= _MIN_SPLIT_ELEMENTS)
-        )
-        fail(
-            ~memcpyed & split & (blocksize % typesize != 0),
-            lambda i: (
-                f"block size {blocksize[i]} is split into {typesize[i]} streams but is "
-                "not a multiple of the typesize: the streams do not add up to the block"
-            ),
-        )
-        nsplits = np.where(split, typesize, 1)
-        chunk, src, csize, dst, dsize = _walk(
-            words, which, offset, keys, nbytes, lengths, blocksize, nblocks, nsplits, memcpyed
-        )
+        chunk, src, csize, dst, dsize = _streams(words, which, offset, head, lengths, keys, nbytes)
     else:
         empty = np.zeros(0, dtype=np.int64)
         chunk, src, csize, dst, dsize = empty, empty, empty, empty, empty
@@ -491,10 +405,161 @@ def _parse(
         dst=dst,
         dsize=dsize,
         raw=csize == dsize,
-        nbytes=h_nbytes,
-        typesize=typesize,
-        blocksize=blocksize,
-        shuffle=shuffle,
-        memcpyed=memcpyed,
-        cname=cname,
+        nbytes=head.nbytes,
+        typesize=head.typesize,
+        blocksize=head.blocksize,
+        shuffle=_shuffles(head),
+        memcpyed=head.memcpyed,
+        cname=tuple(CNAMES[c] for c in head.code),
     )
+
+
+@dataclass(frozen=True)
+class _Headers:
+    """The 16-byte headers of a batch of frames, a field an array (one entry a frame)."""
+
+    version: np.ndarray
+    versionlz: np.ndarray
+    flags: np.ndarray
+    typesize: np.ndarray
+    nbytes: np.ndarray  #: the decoded size each header declares
+    blocksize: np.ndarray
+    cbytes: np.ndarray  #: the frame size each header declares
+
+    @property
+    def code(self) -> np.ndarray:
+        """The compressor code of each frame (an index of ``CNAMES``)."""
+        return self.flags >> 5
+
+    @property
+    def memcpyed(self) -> np.ndarray:
+        return (self.flags & _MEMCPYED) != 0
+
+
+def _read_headers(
+    words: list[np.ndarray] | _Arena, which: np.ndarray, offset: np.ndarray
+) -> _Headers:
+    """The headers of the frames at byte ``offset[i]`` of buffer ``which[i]``."""
+    n = len(offset)
+    head = _read_i32(words, np.repeat(which, 4), (offset[:, None] + np.arange(0, 16, 4)).ravel())
+    head = head.reshape(n, 4)
+    return _Headers(
+        version=head[:, 0] & 0xFF,
+        versionlz=(head[:, 0] >> 8) & 0xFF,
+        flags=(head[:, 0] >> 16) & 0xFF,
+        typesize=(head[:, 0] >> 24) & 0xFF,
+        nbytes=head[:, 1],
+        blocksize=head[:, 2],
+        cbytes=head[:, 3],
+    )
+
+
+def _fail(keys: Sequence[str], bad: np.ndarray, reason: Callable[[int], str]) -> None:
+    """Raise the error ``reason(i)`` of the first frame ``i`` that is ``bad``, if any."""
+    i = _first(bad)
+    if i is not None:
+        raise ChunkDecodeError(keys[i], _CODEC, reason(i))
+
+
+def _check_headers(h: _Headers, lengths: np.ndarray, keys: Sequence[str], nbytes: int) -> None:
+    """Raise the error of the first header that c-blosc 1.x would not read, or that
+    does not match its frame (``lengths``) or the chunk's decoded size ``nbytes``."""
+    version, versionlz, flags, code = h.version, h.versionlz, h.flags, h.code
+    _fail(
+        keys,
+        version != FORMAT_VERSION,
+        lambda i: (
+            f"Blosc format version {version[i]} is not supported (only version "
+            f"{FORMAT_VERSION}, written by c-blosc 1.x and numcodecs; is it a Blosc frame?)"
+        ),
+    )
+    _fail(
+        keys,
+        (flags & _RESERVED) != 0,
+        lambda i: f"header flags {flags[i]:#04x} set the reserved bit 3",
+    )
+    _fail(
+        keys,
+        code >= len(CNAMES),
+        lambda i: f"unknown compressor code {code[i]} in the header flags",
+    )
+    _fail(
+        keys,
+        versionlz != 1,
+        lambda i: f"{CNAMES[code[i]]} format version {versionlz[i]} is not supported (only 1)",
+    )
+    _fail(keys, h.typesize == 0, lambda i: "typesize 0 in the header")
+    i = _first(h.nbytes != nbytes)
+    if i is not None:  # the chunk's decoded size: it or the metadata may be wrong
+        raise ChunkDecodeError(
+            keys[i],
+            _CODEC,
+            f"header declares {h.nbytes[i]} decoded bytes, expected {nbytes}",
+            decoded=int(h.nbytes[i]),
+            expected=nbytes,
+        )
+    _fail(
+        keys,
+        h.cbytes != lengths,
+        lambda i: (
+            f"header declares a {h.cbytes[i]}-byte frame but {lengths[i]} bytes are "
+            "stored (truncated, or trailing bytes)"
+        ),
+    )
+
+
+def _shuffles(h: _Headers) -> np.ndarray:
+    """The shuffle of each frame: 0 none (or memcpyed), 1 byte, 2 bit."""
+    flags = h.flags
+    byte = ((flags & _SHUFFLE) != 0) & (h.typesize > 1)
+    return np.where(h.memcpyed, 0, np.where(byte, 1, np.where(flags & _BITSHUFFLE, 2, 0)))
+
+
+def _streams(
+    words: list[np.ndarray] | _Arena,
+    which: np.ndarray,
+    offset: np.ndarray,
+    h: _Headers,
+    lengths: np.ndarray,
+    keys: Sequence[str],
+    nbytes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(chunk, src, csize, dst, dsize)`` of the streams of frames whose headers
+    passed :func:`_check_headers` (``nbytes > 0``), once their blocks are checked."""
+    blocksize, cbytes, typesize, memcpyed = h.blocksize, h.cbytes, h.typesize, h.memcpyed
+    _fail(
+        keys,
+        (blocksize <= 0) | (blocksize > nbytes),
+        lambda i: f"block size {blocksize[i]} in the header is not in 1..{nbytes}",
+    )
+    _fail(
+        keys,
+        memcpyed & (cbytes != nbytes + HEADER_NBYTES),
+        lambda i: (
+            f"an uncompressed (memcpyed) frame of {nbytes} bytes must be "
+            f"{nbytes + HEADER_NBYTES} bytes long, not {cbytes[i]}"
+        ),
+    )
+    nblocks = -(-nbytes // np.maximum(blocksize, 1))
+    _fail(
+        keys,
+        ~memcpyed & (cbytes < HEADER_NBYTES + 4 * nblocks),
+        lambda i: (
+            f"the table of {nblocks[i]} block starts does not fit in the {cbytes[i]}-byte frame"
+        ),
+    )
+    split = (
+        ((h.flags & _DONT_SPLIT) == 0)
+        & (typesize <= _MAX_SPLITS)
+        & (blocksize // typesize >= _MIN_SPLIT_ELEMENTS)
+    )
+    _fail(
+        keys,
+        ~memcpyed & split & (blocksize % typesize != 0),
+        lambda i: (
+            f"block size {blocksize[i]} is split into {typesize[i]} streams but is "
+            "not a multiple of the typesize: the streams do not add up to the block"
+        ),
+    )
+    nsplits = np.where(split, typesize, 1)
+    return _walk(words, which, offset, keys, nbytes, lengths, blocksize, nblocks, nsplits, memcpyed)
