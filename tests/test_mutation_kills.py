@@ -493,6 +493,25 @@ def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
     xr.testing.assert_identical(stores["ours"], ds)
 
 
+def test_a_users_dask_chunks_across_zarr_chunks_are_refused_as_xarray_refuses(
+    tmp_path: Path,
+) -> None:
+    """write ``if not user_dask:`` -> ``if True:`` (and ``user_dask = True`` -> ``False``):
+    ``safe_chunks`` is left to xarray for the user's own dask variables, so a whole-array
+    write whose dask chunks (3) share zarr chunks (4) fails with the error that
+    ``Dataset.to_zarr`` raises, word for word."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("x",), np.arange(12.0))}).chunk(x=3)
+    encoding = {"v": {"chunks": (4,)}}
+    with pytest.raises(ValueError, match="would overlap multiple Dask chunks") as theirs:
+        ds.to_zarr(tmp_path / "xarray.zarr", encoding=encoding)
+    with pytest.raises(ValueError, match="would overlap multiple Dask chunks") as ours:
+        xarray_gds.to_zarr(ds, tmp_path / "ours.zarr", encoding=encoding)
+    assert str(ours.value) == str(theirs.value)
+    assert "variable named 'v'" in str(ours.value)
+
+
 # -- store.py -------------------------------------------------------------------------------
 def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
     """store ``*`` -> ``/`` in ``get_sync`` and ``_open``: the engine's store keeps the kinds
