@@ -5,6 +5,7 @@ test names the module and the mutation it stops, and compares with what zarr-pyt
 
 from __future__ import annotations
 
+import ssl
 import threading
 from pathlib import Path
 from typing import Any
@@ -400,6 +401,61 @@ def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -
             _bounded(lambda: _writer_lock(store, -3.0))
     finally:
         holder.release()
+
+
+# -- stores/urls.py -------------------------------------------------------------------------
+def _certificate_error() -> ssl.SSLCertVerificationError:
+    return ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate"
+    )
+
+
+def _raised_from_certificate_error() -> OSError:
+    """An ``OSError`` whose ``__cause__`` is the failed certificate check (``raise ...
+    from``, outside any ``except``: no ``__context__``)."""
+    cause = _certificate_error()
+    try:
+        raise OSError("Cannot connect to host 127.0.0.1:1 ssl:True") from cause
+    except OSError as err:
+        return err
+
+
+def _raised_while_handling_certificate_error() -> OSError:
+    """An ``OSError`` raised while the failed certificate check was handled (no
+    ``from``): the check is only its ``__context__``."""
+    try:
+        try:
+            raise _certificate_error()
+        except ssl.SSLError:
+            raise OSError("Cannot connect to host 127.0.0.1:1 ssl:True")  # noqa: B904
+    except OSError as err:
+        return err
+
+
+@pytest.mark.parametrize(
+    "make", [_raised_from_certificate_error, _raised_while_handling_certificate_error]
+)
+def test_a_certificate_error_down_the_chain_says_the_certificate_is_not_trusted(make) -> None:
+    """urls ``err.__cause__ or err.__context__`` -> either one alone (and
+    ``isinstance(err, ssl.SSLCertVerificationError)`` dropped): an error whose
+    ``__cause__`` or ``__context__`` is a failed TLS certificate check is classified
+    as an untrusted certificate, for opening and for writing; an ``OSError`` with no
+    such error down its chain is not."""
+    from xarray_gds.stores.urls import classified
+
+    err = make()
+    chain = (err.__cause__, err.__context__)
+    assert sum(isinstance(e, ssl.SSLCertVerificationError) for e in chain) >= 1
+    url = "https://127.0.0.1:1/data.zarr"
+    for action in ("open", "write to"):
+        found = classified(url, {}, err, action=action)
+        assert type(found) is ConnectionError
+        assert str(found).startswith(f"cannot {action} the remote Zarr store {url!r}: ")
+        assert "the server's TLS certificate is not trusted" in str(found)
+    plain = classified(url, {}, OSError("Cannot connect to host 127.0.0.1:1 ssl:True"))
+    assert type(plain) is OSError
+    assert "reading its metadata failed" in str(plain)
+    assert "TLS certificate" not in str(plain)
 
 
 # -- tidy.py --------------------------------------------------------------------------------
