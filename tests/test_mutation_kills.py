@@ -624,6 +624,40 @@ async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_pa
         assert (outside / "c" / "0").read_bytes() == b"kept"
 
 
+@pytest.mark.parametrize("kind", ["gds", "zarr"])
+def test_a_failed_writes_clean_up_removes_empty_directories_below_the_root_only(
+    tmp_path: Path, kind: str
+) -> None:
+    """stores/local ``range(1, len(parts) + 1)`` -> ``range(0, ...)`` (``_remove_empty_dirs``):
+    the clean-up of a local store after a failed write (``after_failed_write`` of the
+    chunks it removed) removes the directories those chunks leave empty, deepest first,
+    keeps those that hold anything else, and never the store's root, even when it is
+    left empty (the root is where the next write of the store goes; a v2 array at the
+    root has its chunks there)."""
+    from zarr.storage import LocalStore
+
+    from xarray_gds import stores
+    from xarray_gds.stores.local import GdsStore
+
+    root = tmp_path / "s.zarr"
+    (root / "p" / "c" / "0").mkdir(parents=True)
+    (root / "q" / "c").mkdir(parents=True)
+    (root / "q" / "c" / "0").write_bytes(b"kept")
+    store = GdsStore(root, read_only=False) if kind == "gds" else LocalStore(root)
+    source = stores.source_for(store)
+    source.after_failed_write({"p/c/0/1", "q/c/1", "top"})
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "q",
+        "q/c",
+        "q/c/0",
+    ]
+    (root / "q" / "c" / "0").unlink()
+    source.after_failed_write({"q/c/0"})
+    assert root.is_dir() and list(root.iterdir()) == []
+    source.after_failed_write({"0"})  # the chunk of a v2 array at the store's root
+    assert root.is_dir() and list(root.iterdir()) == []
+
+
 # -- deferred.py ----------------------------------------------------------------------------
 def test_a_failed_write_keeps_chunks_of_existing_arrays_below_new_group_documents() -> None:
     """deferred ``return False`` -> ``return True`` (``.zattrs``/``.zgroup`` taken for an
@@ -785,3 +819,43 @@ def test_references_to_a_sharded_v3_store(tmp_path: Path) -> None:
     root = _sharded(tmp_path / "s.zarr", "end", True)
     got = xr.open_dataset(_references(root), engine="gds-zarr", device="cpu").load()
     xr.testing.assert_identical(got, xr.open_dataset(root, engine="zarr").load())
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_a_batch_of_two_store_kinds_reads_each_through_its_own_kind(
+    tmp_path: Path, ranged: bool
+) -> None:
+    """stores ``if len(classes) == 1`` -> ``if not len(classes) == 1`` (``stores.read``): a
+    batch whose chunks lie in a local directory and in a memory store, interleaved, is
+    read by each kind's reader (paths by the local one, keys through the memory store's
+    ``get``), whole or by byte ranges, and joined in the batch's order: each chunk's
+    bytes as zarr-python reads them from its own store."""
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+    from zarr.storage import MemoryStore
+
+    from xarray_gds import stores
+    from xarray_gds.stores.local import GdsStore
+
+    local = GdsStore(tmp_path / "s.zarr", read_only=False)
+    memory = MemoryStore()
+    rng = np.random.default_rng(7)
+    keys = [f"v/c/{i}" for i in range(4)]
+    for store in (local, memory):
+        for key in keys:
+            data = rng.integers(0, 256, size=40, dtype=np.uint8).tobytes()
+            sync(store.set(key, cpu.Buffer.from_bytes(data)))
+    kinds = [stores.source_for(local), stores.source_for(memory)]
+    assert len({type(s) for s in kinds}) == 2
+    order = [(kinds[i % 2], keys[i // 2 + 2 * (i % 2)]) for i in range(4)]
+    picked = [s for s, _ in order]
+    locations = [s.locate([k])[0] for s, k in order]
+    want = [sync(s.store.get(k, prototype=cpu.buffer_prototype)).to_bytes() for s, k in order]
+    if ranged:
+        starts = np.array([3, 0, 10, 39], dtype=np.int64)
+        sizes = np.array([5, 40, 20, 1], dtype=np.int64)
+        got = stores.read(picked, locations, False, None, (starts, sizes))
+        want = [w[int(a) : int(a) + int(n)] for w, a, n in zip(want, starts, sizes, strict=True)]
+    else:
+        got = stores.read(picked, locations, False, None)
+    assert [np.asarray(g).tobytes() for g in got] == want
