@@ -569,6 +569,25 @@ def test_a_users_dask_chunks_across_zarr_chunks_are_refused_as_xarray_refuses(
 
 
 # -- store.py -------------------------------------------------------------------------------
+def test_clearing_a_store_whose_directories_do_not_exist_yet_makes_them(
+    tmp_path: Path,
+) -> None:
+    """stores/local ``self.root.mkdir(parents=True, ...)`` -> ``parents=False`` (``clear``):
+    clearing a store at a path whose parent directories do not exist yet leaves an
+    empty store there, which takes writes that engine="zarr" reads."""
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.local import GdsStore
+
+    root = tmp_path / "not" / "yet" / "s.zarr"
+    store = GdsStore(root, read_only=False)
+    sync(store.clear())
+    assert root.is_dir() and list(root.iterdir()) == []
+    ds = xr.Dataset({"v": (("x",), np.arange(5.0))})
+    ds.to_zarr(store, consolidated=False)
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
+
+
 def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
     """store ``*`` -> ``/`` in ``get_sync`` and ``_open``: the engine's store keeps the kinds
     of parameters of zarr's ``LocalStore`` (keyword-only where zarr's are), so that every
