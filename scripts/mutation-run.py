@@ -139,7 +139,12 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "store": (
         "xarray_gds/store.py|xarray_gds/stores/local.py",
-        ("tests/test_store.py", "tests/test_deferred.py", "tests/test_mutation_kills.py"),
+        (
+            "tests/test_store.py",
+            "tests/test_deferred.py",
+            "tests/test_mutation_kills.py",
+            "tests/test_backend.py::test_hdf5_after_a_user_block_is_recognised",
+        ),
     ),
     "deferred": (
         "xarray_gds/deferred.py",

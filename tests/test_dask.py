@@ -156,6 +156,48 @@ def test_local_cluster_end_to_end(parts: list[Path], cluster_client: Any) -> Non
     assert len(set(who.values())) == 2
 
 
+def _chunk_files(root: Path) -> set[str]:
+    """The files below ``root`` that are not metadata documents."""
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.name in meta
+    }
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_write_of_users_dask_runs_on_the_cluster(
+    tmp_path: Path, cluster_client: Any, zarr_format: int
+) -> None:
+    """xarray_gds.to_zarr of a dataset whose variables are all the user's dask arrays,
+    with a cluster of worker processes as dask's scheduler: the chunk writes run on the
+    workers (the store the tasks hold is pickled to them), and the store holds the
+    chunk files and values that ``Dataset.to_zarr`` writes in the same setting."""
+    import distributed
+
+    import xarray_gds
+
+    values = np.arange(96.0).reshape(12, 8)
+    ds = xr.Dataset(
+        {
+            "v": (("x", "y"), values),
+            "w": (("x",), np.arange(12, dtype="i4") - 5),
+        },
+        attrs={"title": "cluster write"},
+    ).chunk(x=4, y=4)
+    ds.to_zarr(tmp_path / "xarray.zarr", zarr_format=zarr_format)
+    with distributed.get_task_stream(cluster_client) as stream:
+        xarray_gds.to_zarr(ds, tmp_path / "ours.zarr", zarr_format=zarr_format)
+    workers = {task["worker"] for task in stream.data}
+    assert workers and workers <= set(cluster_client.scheduler_info()["workers"])
+    assert any(str(task["key"]).startswith("('store-map") for task in stream.data)
+    want = xr.open_dataset(tmp_path / "xarray.zarr", engine="zarr").load()
+    got = xr.open_dataset(tmp_path / "ours.zarr", engine="zarr").load()
+    xr.testing.assert_identical(got, want)
+    np.testing.assert_array_equal(got.v.values, values)
+    files = _chunk_files(tmp_path / "ours.zarr")
+    assert files and files == _chunk_files(tmp_path / "xarray.zarr")
+
+
 def test_chunk_manager_gives_device_meta(v3_store: Path, device: str) -> None:
     import xarray_gds
     import xarray_gds.chunks

@@ -169,6 +169,37 @@ def test_failure_on_a_remote_store_removes_the_new_arrays_chunks() -> None:
         sync(store.set("p/c/1", _buffer(b"later")))
 
 
+def test_pickled_store_is_the_store_and_a_failure_removes_new_arrays_chunks(
+    tmp_path: Path,
+) -> None:
+    """A held store pickled (for a worker process of a dask write) unpickles to the store
+    written: chunks written through that copy land in the store, unrecorded by the
+    write. A failed write then removes, by listing them, the chunks of arrays that did
+    not exist before, keeps those of existing arrays, and never writes the held
+    metadata; copies in this process share the write."""
+    import copy
+    import pickle
+
+    root = tmp_path / "s.zarr"
+    inner = GdsStore(root, read_only=False)
+    sync(inner.set("q/zarr.json", _buffer(ARRAY_META)))
+    sync(inner.set("q/c/0", _buffer(b"old")))
+    store = HeldMetadataStore(inner)
+    sync(store.set("p/zarr.json", _buffer(ARRAY_META)))
+    shared = copy.copy(store)
+    assert type(shared) is HeldMetadataStore and sync(shared.exists("p/zarr.json"))
+    assert copy.deepcopy(store) == store
+    worker = pickle.loads(pickle.dumps(store))
+    assert type(worker) is GdsStore and worker == inner
+    assert not sync(worker.exists("p/zarr.json"))  # the metadata stays held here
+    sync(worker.set("p/c/0", _buffer(b"from a worker")))
+    sync(worker.set("p/c/1", _buffer(b"from a worker")))
+    sync(worker.set("q/c/1", _buffer(b"from a worker")))
+    assert (root / "p" / "c" / "1").read_bytes() == b"from a worker"
+    store.discard()
+    assert _keys(inner) == ["q/c/0", "q/c/1", "q/zarr.json"]
+
+
 def test_held_metadata_is_served_then_flushed(tmp_path: Path) -> None:
     """Held metadata keys are read, listed and deleted like files, and reach the disk
     only on flush (chunks go to disk at once); copies by ``with_read_only`` share them."""

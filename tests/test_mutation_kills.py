@@ -5,6 +5,7 @@ test names the module and the mutation it stops, and compares with what zarr-pyt
 
 from __future__ import annotations
 
+import ssl
 import threading
 from pathlib import Path
 from typing import Any
@@ -402,6 +403,61 @@ def test_a_memory_lock_waits_as_long_as_asked(monkeypatch: pytest.MonkeyPatch) -
         holder.release()
 
 
+# -- stores/urls.py -------------------------------------------------------------------------
+def _certificate_error() -> ssl.SSLCertVerificationError:
+    return ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate"
+    )
+
+
+def _raised_from_certificate_error() -> OSError:
+    """An ``OSError`` whose ``__cause__`` is the failed certificate check (``raise ...
+    from``, outside any ``except``: no ``__context__``)."""
+    cause = _certificate_error()
+    try:
+        raise OSError("Cannot connect to host 127.0.0.1:1 ssl:True") from cause
+    except OSError as err:
+        return err
+
+
+def _raised_while_handling_certificate_error() -> OSError:
+    """An ``OSError`` raised while the failed certificate check was handled (no
+    ``from``): the check is only its ``__context__``."""
+    try:
+        try:
+            raise _certificate_error()
+        except ssl.SSLError:
+            raise OSError("Cannot connect to host 127.0.0.1:1 ssl:True")  # noqa: B904
+    except OSError as err:
+        return err
+
+
+@pytest.mark.parametrize(
+    "make", [_raised_from_certificate_error, _raised_while_handling_certificate_error]
+)
+def test_a_certificate_error_down_the_chain_says_the_certificate_is_not_trusted(make) -> None:
+    """urls ``err.__cause__ or err.__context__`` -> either one alone (and
+    ``isinstance(err, ssl.SSLCertVerificationError)`` dropped): an error whose
+    ``__cause__`` or ``__context__`` is a failed TLS certificate check is classified
+    as an untrusted certificate, for opening and for writing; an ``OSError`` with no
+    such error down its chain is not."""
+    from xarray_gds.stores.urls import classified
+
+    err = make()
+    chain = (err.__cause__, err.__context__)
+    assert sum(isinstance(e, ssl.SSLCertVerificationError) for e in chain) >= 1
+    url = "https://127.0.0.1:1/data.zarr"
+    for action in ("open", "write to"):
+        found = classified(url, {}, err, action=action)
+        assert type(found) is ConnectionError
+        assert str(found).startswith(f"cannot {action} the remote Zarr store {url!r}: ")
+        assert "the server's TLS certificate is not trusted" in str(found)
+    plain = classified(url, {}, OSError("Cannot connect to host 127.0.0.1:1 ssl:True"))
+    assert type(plain) is OSError
+    assert "reading its metadata failed" in str(plain)
+    assert "TLS certificate" not in str(plain)
+
+
 # -- tidy.py --------------------------------------------------------------------------------
 #: layout -> (zarr format, chunk key encoding, consolidated, key of chunk (5, 0), of (0, 0))
 TIDY_LAYOUTS: dict[str, tuple[int, dict[str, str] | None, bool, str, str]] = {
@@ -493,7 +549,45 @@ def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
     xr.testing.assert_identical(stores["ours"], ds)
 
 
+def test_a_users_dask_chunks_across_zarr_chunks_are_refused_as_xarray_refuses(
+    tmp_path: Path,
+) -> None:
+    """write ``if not user_dask:`` -> ``if True:`` (and ``user_dask = True`` -> ``False``):
+    ``safe_chunks`` is left to xarray for the user's own dask variables, so a whole-array
+    write whose dask chunks (3) share zarr chunks (4) fails with the error that
+    ``Dataset.to_zarr`` raises, word for word."""
+    import xarray_gds
+
+    ds = xr.Dataset({"v": (("x",), np.arange(12.0))}).chunk(x=3)
+    encoding = {"v": {"chunks": (4,)}}
+    with pytest.raises(ValueError, match="would overlap multiple Dask chunks") as theirs:
+        ds.to_zarr(tmp_path / "xarray.zarr", encoding=encoding)
+    with pytest.raises(ValueError, match="would overlap multiple Dask chunks") as ours:
+        xarray_gds.to_zarr(ds, tmp_path / "ours.zarr", encoding=encoding)
+    assert str(ours.value) == str(theirs.value)
+    assert "variable named 'v'" in str(ours.value)
+
+
 # -- store.py -------------------------------------------------------------------------------
+def test_clearing_a_store_whose_directories_do_not_exist_yet_makes_them(
+    tmp_path: Path,
+) -> None:
+    """stores/local ``self.root.mkdir(parents=True, ...)`` -> ``parents=False`` (``clear``):
+    clearing a store at a path whose parent directories do not exist yet leaves an
+    empty store there, which takes writes that engine="zarr" reads."""
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.local import GdsStore
+
+    root = tmp_path / "not" / "yet" / "s.zarr"
+    store = GdsStore(root, read_only=False)
+    sync(store.clear())
+    assert root.is_dir() and list(root.iterdir()) == []
+    ds = xr.Dataset({"v": (("x",), np.arange(5.0))})
+    ds.to_zarr(store, consolidated=False)
+    xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
+
+
 def test_store_methods_take_arguments_as_zarrs_local_store_does() -> None:
     """store ``*`` -> ``/`` in ``get_sync`` and ``_open``: the engine's store keeps the kinds
     of parameters of zarr's ``LocalStore`` (keyword-only where zarr's are), so that every
@@ -547,6 +641,40 @@ async def test_writes_and_deletes_through_a_link_at_any_level_are_refused(tmp_pa
             await store.delete_dir("v/c" if link == "v" else "v/c/0")
         assert sorted(p.name for p in (outside / "c").iterdir()) == ["0"], link
         assert (outside / "c" / "0").read_bytes() == b"kept"
+
+
+@pytest.mark.parametrize("kind", ["gds", "zarr"])
+def test_a_failed_writes_clean_up_removes_empty_directories_below_the_root_only(
+    tmp_path: Path, kind: str
+) -> None:
+    """stores/local ``range(1, len(parts) + 1)`` -> ``range(0, ...)`` (``_remove_empty_dirs``):
+    the clean-up of a local store after a failed write (``after_failed_write`` of the
+    chunks it removed) removes the directories those chunks leave empty, deepest first,
+    keeps those that hold anything else, and never the store's root, even when it is
+    left empty (the root is where the next write of the store goes; a v2 array at the
+    root has its chunks there)."""
+    from zarr.storage import LocalStore
+
+    from xarray_gds import stores
+    from xarray_gds.stores.local import GdsStore
+
+    root = tmp_path / "s.zarr"
+    (root / "p" / "c" / "0").mkdir(parents=True)
+    (root / "q" / "c").mkdir(parents=True)
+    (root / "q" / "c" / "0").write_bytes(b"kept")
+    store = GdsStore(root, read_only=False) if kind == "gds" else LocalStore(root)
+    source = stores.source_for(store)
+    source.after_failed_write({"p/c/0/1", "q/c/1", "top"})
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "q",
+        "q/c",
+        "q/c/0",
+    ]
+    (root / "q" / "c" / "0").unlink()
+    source.after_failed_write({"q/c/0"})
+    assert root.is_dir() and list(root.iterdir()) == []
+    source.after_failed_write({"0"})  # the chunk of a v2 array at the store's root
+    assert root.is_dir() and list(root.iterdir()) == []
 
 
 # -- deferred.py ----------------------------------------------------------------------------
@@ -710,3 +838,43 @@ def test_references_to_a_sharded_v3_store(tmp_path: Path) -> None:
     root = _sharded(tmp_path / "s.zarr", "end", True)
     got = xr.open_dataset(_references(root), engine="gds-zarr", device="cpu").load()
     xr.testing.assert_identical(got, xr.open_dataset(root, engine="zarr").load())
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_a_batch_of_two_store_kinds_reads_each_through_its_own_kind(
+    tmp_path: Path, ranged: bool
+) -> None:
+    """stores ``if len(classes) == 1`` -> ``if not len(classes) == 1`` (``stores.read``): a
+    batch whose chunks lie in a local directory and in a memory store, interleaved, is
+    read by each kind's reader (paths by the local one, keys through the memory store's
+    ``get``), whole or by byte ranges, and joined in the batch's order: each chunk's
+    bytes as zarr-python reads them from its own store."""
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+    from zarr.storage import MemoryStore
+
+    from xarray_gds import stores
+    from xarray_gds.stores.local import GdsStore
+
+    local = GdsStore(tmp_path / "s.zarr", read_only=False)
+    memory = MemoryStore()
+    rng = np.random.default_rng(7)
+    keys = [f"v/c/{i}" for i in range(4)]
+    for store in (local, memory):
+        for key in keys:
+            data = rng.integers(0, 256, size=40, dtype=np.uint8).tobytes()
+            sync(store.set(key, cpu.Buffer.from_bytes(data)))
+    kinds = [stores.source_for(local), stores.source_for(memory)]
+    assert len({type(s) for s in kinds}) == 2
+    order = [(kinds[i % 2], keys[i // 2 + 2 * (i % 2)]) for i in range(4)]
+    picked = [s for s, _ in order]
+    locations = [s.locate([k])[0] for s, k in order]
+    want = [sync(s.store.get(k, prototype=cpu.buffer_prototype)).to_bytes() for s, k in order]
+    if ranged:
+        starts = np.array([3, 0, 10, 39], dtype=np.int64)
+        sizes = np.array([5, 40, 20, 1], dtype=np.int64)
+        got = stores.read(picked, locations, False, None, (starts, sizes))
+        want = [w[int(a) : int(a) + int(n)] for w, a, n in zip(want, starts, sizes, strict=True)]
+    else:
+        got = stores.read(picked, locations, False, None)
+    assert [np.asarray(g).tobytes() for g in got] == want

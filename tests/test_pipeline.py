@@ -79,6 +79,28 @@ def test_integer_delta_is_device_ready(store_factory: Callable) -> None:
     assert isinstance(plan, DecodeChain) and plan.device_ready
 
 
+def test_big_endian_delta_is_not_batched(tmp_path: Path) -> None:
+    """A Delta in big-endian order sums big-endian scalars: no batched stage (neither
+    CuPy nor the host's view of the chunk as the array's dtype handles that order), so
+    zarr-python decodes it and the values match engine="zarr"."""
+    path = tmp_path / "delta-be.zarr"
+    ds = xr.Dataset({"v": ("x", np.arange(20, dtype="i4") * 7 - 30)})
+    encoding = {
+        "v": {
+            "chunks": (6,),
+            "filters": [numcodecs.Delta(dtype=">i4")],
+            "compressors": [numcodecs.Zlib()],
+        }
+    }
+    ds.to_zarr(path, zarr_format=2, consolidated=True, encoding=encoding)
+    plan = _plan(path, "v")
+    assert isinstance(plan, Unsupported)
+    assert plan.reason == "filter 'delta' has no batched decoder"
+    got = xr.open_dataset(path, engine="gds-zarr", device="cpu").load()
+    xr.testing.assert_identical(got, xr.open_dataset(path, engine="zarr").load())
+    np.testing.assert_array_equal(got.v.values, ds.v.values)
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Sizes of the batched reads of t2m's chunks."""
     calls: list[int] = []

@@ -29,6 +29,12 @@ chunk objects it created are removed:
   through the old metadata; a region's chunk that held only the fill value reads as
   written).
 
+Chunks written in other processes (the workers of a ``distributed`` cluster that run
+the tasks of a dask write, each with the store itself: see
+:meth:`HeldMetadataStore.__reduce__`) are not recorded there: those of arrays that did
+not exist before go, as for other stores, and a worker's chunk write still running when
+the write fails is not refused.
+
 Chunks the write replaced keep their new bytes in every case. If writing the metadata
 itself fails, the documents it had already replaced are put back first. What an
 object store does not guarantee stays so: the metadata documents are several objects,
@@ -77,6 +83,7 @@ class _Write:
         self.created: set[str] = set()  #: those of them that were not there (probe)
         self.running = 0  #: chunk writes and deletes running now
         self.writer: WriterLock | None = None  #: the store's writer lock, until the end
+        self.sent = False  #: the store was pickled: chunk writes may run in other processes
 
 
 def _slice(value: Buffer, byte_range: ByteRequest | None) -> bytes:
@@ -254,6 +261,9 @@ class HeldMetadataStore(WrapperStore[Store]):
             doomed = set(write.created)
             if prefixes:
                 doomed.update(k for k in write.written if k.startswith(prefixes))
+            sent = write.sent
+        if sent and prefixes:  # chunks other processes wrote: found by listing
+            doomed.update(sync(self._listed(prefixes)))
         doomed = {k for k in doomed if not is_metadata_key(k)}
 
         async def delete_all() -> None:
@@ -261,6 +271,16 @@ class HeldMetadataStore(WrapperStore[Store]):
 
         sync(delete_all())
         write.source.after_failed_write(doomed)
+
+    async def _listed(self, prefixes: tuple[str, ...]) -> set[str]:
+        """The keys in the store below any of ``prefixes``."""
+        private = set(self._write.source.private_keys)
+        found: set[str] = set()
+        for prefix in set(prefixes):
+            async for key in self._store.list_prefix(prefix):
+                if key not in private:
+                    found.add(key)
+        return found
 
     # -- writes --------------------------------------------------------------------------
 
@@ -492,6 +512,23 @@ class HeldMetadataStore(WrapperStore[Store]):
     async def _open(self) -> None:
         await self._store._ensure_open()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to run the chunk writes of a dask write in a ``distributed`` worker
+        process): the store written itself. Chunk writes are all a worker does with it
+        (the zarr arrays in the tasks have their metadata already), and they go to the
+        store as this wrapper sends them; the metadata stays held here, written after
+        the tasks are done. The writer lock, the held documents and the bookkeeping stay
+        in this process (see the module for what a failed write removes then)."""
+        with self._write.cond:
+            self._write.sent = True
+        return (_same, (self._store,))
+
+    def __copy__(self) -> Self:
+        return self._with_store(self._store)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self._with_store(self._store)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, HeldMetadataStore) and other._store == self._store
 
@@ -503,3 +540,8 @@ class HeldMetadataStore(WrapperStore[Store]):
 
     def __str__(self) -> str:
         return str(self._store)
+
+
+def _same(store: Store) -> Store:
+    """``store`` (what a pickled :class:`HeldMetadataStore` unpickles to)."""
+    return store

@@ -80,7 +80,10 @@ def _write(prepared: xr.Dataset, store: Any, ds: xr.Dataset, kwargs: dict[str, A
     would write into its own copy of an in-memory store or of an Icechunk session, and
     the write would be lost (with them, the user's own dask variables of the same write
     are computed here too). A write of the user's dask variables only, or with
-    ``compute=False``, runs where the user's scheduler runs it, as with xarray."""
+    ``compute=False``, runs where the user's scheduler runs it, as with xarray: on a
+    cluster of worker processes, each task writes its chunks into the store it holds,
+    which :class:`~xarray_gds.deferred.HeldMetadataStore` pickles as the store written
+    (its metadata stays held in this process and is written after the tasks)."""
     made_here = any(
         _is_dask(var._data) and not _is_dask(ds.variables[name]._data)
         for name, var in prepared.variables.items()
