@@ -4,6 +4,7 @@ that ``xarray-gds bench --json FILE`` writes.
     python scripts/plot_bench.py                  # the committed JSON to the committed SVG
     python scripts/plot_bench.py IN.json OUT.svg  # any bench output
     python scripts/plot_bench.py IN.json --table  # the Markdown summary table instead
+    python scripts/plot_bench.py IN.json --goals  # the goals met and missed (``"goal"``)
 
 The chart has one bar per way of loading: gds-zarr's time against engine="zarr"'s in
 the same run (``seconds["zarr"] / seconds["gds-zarr"]``; where engine="zarr" ran through
@@ -14,7 +15,8 @@ A result with ``"chart": false`` is left out of the chart, not of the table. Eac
 result of ``bench --json`` carries what the table shows besides the timings: its
 ``title``, the ``date``, the ``commit`` and the ``command`` that measures it again
 (whose ``--size-gb`` and ``--repeat`` fill the "size, repeat" column); ``env.machine``
-names the machine in the chart's title. Results without them draw too.
+names the machine in the chart's title. A result may carry a ``goal``: the speed-up of
+its first pair the project aims at (``--goals``). Results without them draw too.
 
 The SVG is written by hand (no plotting library) and is the same bytes for the same
 JSON; tests/test_docs.py checks that the committed image matches the committed data.
@@ -197,6 +199,23 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def goals(data: dict[str, Any]) -> str:
+    """The Markdown table of the results that carry a ``goal`` (the speed-up of their
+    first gds-zarr / engine="zarr" pair that the project aims at): met or missed."""
+    lines = ["| case | goal | measured | |", "|---|---|---|---|"]
+    for result in data["results"]:
+        if "goal" not in result:
+            continue
+        suffix, ours, theirs = pairs(result)[0]
+        ratio = result["seconds"][theirs] / result["seconds"][ours]
+        goal = float(result["goal"])
+        verdict = "met" if round(ratio, 1) >= goal else "**missed**"
+        lines.append(
+            f"| `{result['case']}{escape_md(suffix)}` | {goal:g}x | {ratio:.1f}x | {verdict} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _option(command: str, name: str) -> str:
     words = command.split()
     return words[words.index(name) + 1] if name in words else "?"
@@ -216,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", nargs="?", default=str(DATA), help="bench JSON")
     parser.add_argument("image", nargs="?", default=str(IMAGE), help="SVG to write")
     parser.add_argument("--table", action="store_true", help="print the Markdown table")
+    parser.add_argument(
+        "--goals", action="store_true", help="print the table of goals met and missed"
+    )
     args = parser.parse_args(argv)
     data = load(Path(args.data))
-    if args.table:
-        sys.stdout.write(table(data))
+    if args.table or args.goals:
+        sys.stdout.write(table(data) if args.table else goals(data))
         return 0
     Path(args.image).parent.mkdir(parents=True, exist_ok=True)
     Path(args.image).write_text(svg(data))

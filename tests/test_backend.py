@@ -237,6 +237,43 @@ def test_subgroups_take_the_roots_consolidated_metadata_as_with_zarr(
                 assert warned[0].category is xarray_gds.errors.ConsolidatedMetadataWarning
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_root_listing_read_from_one_document_is_zarrs(tmp_path: Path, zarr_format: int) -> None:
+    """consolidated_at_root reads a v3 root's listing from its one document: the same
+    groups listed as through zarr.open_consolidated, for every group asked for and
+    every format given; a v2 root, an unconsolidated root and a group added after
+    consolidation are decided as zarr decides them."""
+    from xarray_gds.backend import _v3_root_listing, consolidated_at_root
+
+    path = tmp_path / "tree.zarr"
+    base = sample_dataset()
+    tree = xr.DataTree.from_dict({"/": base[["t2m"]], "/surface/extra": base[["qc"]]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr: consolidated metadata is not in the v3 spec
+        tree.to_zarr(path, zarr_format=zarr_format, consolidated=True)
+        zarr.open_group(path, mode="a").create_group("added")  # after consolidation
+    store = zarr.storage.LocalStore(path, read_only=True)
+    listed = _v3_root_listing(store, None)
+    if zarr_format == 2:
+        assert listed is None  # zarr's own open decides
+    else:
+        zarr_listed = zarr.open_consolidated(store, mode="r").metadata.consolidated_metadata
+        assert listed is not None and zarr_listed is not None
+        assert listed.flattened_metadata.keys() == zarr_listed.flattened_metadata.keys()
+        assert _v3_root_listing(store, 2) is None
+    for fmt in (None, zarr_format):
+        for group, expected in (
+            (None, True), ("/", True), ("surface", True), ("/surface/extra", True),
+            ("added", False), ("missing", False),
+        ):  # fmt: skip
+            assert consolidated_at_root(store, group, fmt) is expected, (group, fmt)
+    plain = tmp_path / "plain.zarr"
+    base.to_zarr(plain, zarr_format=zarr_format, consolidated=False)
+    plain_store = zarr.storage.LocalStore(plain, read_only=True)
+    assert _v3_root_listing(plain_store, None) is None
+    assert consolidated_at_root(plain_store, None, None) is False
+
+
 def test_missing_path_raises_file_not_found(tmp_path: Path) -> None:
     missing = tmp_path / "missing.zarr"
     with pytest.raises(FileNotFoundError, match=str(missing)):

@@ -163,7 +163,7 @@ def test_bench_chart_matches_its_data(card: str) -> None:
     )
 
 
-@pytest.mark.parametrize("card", ["h200", "h100"])
+@pytest.mark.parametrize("card", ["h200", "h100", "host"])
 def test_bench_table_on_the_page_matches_its_data(card: str) -> None:
     plot = _plot_bench()
     page = (DOCS / "performance.md").read_text()
@@ -172,6 +172,28 @@ def test_bench_table_on_the_page_matches_its_data(card: str) -> None:
         f"docs/data/bench-{card}.json: paste the output of "
         f"`python scripts/plot_bench.py docs/data/bench-{card}.json --table`"
     )
+
+
+def test_goals_table_on_the_page_matches_its_data() -> None:
+    # the goals met and missed are made from the "goal" of the H100 results
+    plot = _plot_bench()
+    page = (DOCS / "performance.md").read_text()
+    goals = plot.goals(plot.load(DOCS / "data" / "bench-h100.json"))
+    assert goals.count("\n") > 2 and goals in page, (
+        "the Goals table of docs/performance.md differs from docs/data/bench-h100.json: "
+        "paste the output of `python scripts/plot_bench.py docs/data/bench-h100.json --goals`"
+    )
+    data = {
+        "results": [
+            {"case": "a", "goal": 2, "seconds": {"gds-zarr": 1.0, "zarr": 1.96}},
+            {"case": "b", "goal": 3, "seconds": {"gds-zarr": 1.0, "zarr": 2.9}},
+            {"case": "c", "seconds": {"gds-zarr": 1.0, "zarr": 9.0}},
+        ]
+    }
+    assert plot.goals(data).splitlines()[2:] == [
+        "| `a` | 2x | 2.0x | met |",
+        "| `b` | 3x | 2.9x | **missed** |",
+    ]
 
 
 def test_the_remote_cases_pair_with_the_faster_zarr_client() -> None:

@@ -146,3 +146,21 @@ def test_route_defaults_are_the_formats_rates() -> None:
     rates = dict(route.Costs().rates)
     assert rates == {f.name: f.rates for f in FORMATS.values() if f.rates is not None}
     assert route.Costs().rate(ZSTD) == ZSTD.rates
+
+
+def test_zstd_content_sizes_one_by_one_match_the_batch() -> None:
+    """A few zstd headers are read one by one (a host read's single chunks), many as
+    arrays: both give every header the same declared size, whatever its flags."""
+    from xarray_gds.codecs.formats import base, zstd
+
+    rng = np.random.default_rng(0)
+    heads = rng.integers(0, 256, size=(4096, 18), dtype=np.uint8)  # every flag byte
+    heads[:256, 4] = np.arange(256)  # each frame header descriptor at least once
+    codec = numcodecs.Zstd()
+    real = [codec.encode(np.zeros(n, np.uint8)) for n in (0, 1, 255, 256, 65791, 1 << 20)]
+    heads[256 : 256 + len(real)] = base.heads(real)[0]  # zeros past a short frame's end
+    batch = zstd.content_sizes(heads)  # more than _FEW: the array path
+    assert len(heads) > zstd._FEW
+    few = np.concatenate([zstd.content_sizes(heads[i : i + 1]) for i in range(len(heads))])
+    np.testing.assert_array_equal(few, batch)
+    assert list(batch[256 : 256 + len(real)]) == [0, 1, 255, 256, 65791, 1 << 20]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,6 +19,9 @@ from xarray.core import indexing
 from xarray.core.treenode import NodePath
 from xarray.core.utils import close_on_error
 from zarr.abc.store import Store
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+from zarr.core.sync import sync
 
 from xarray_gds import config, fuse
 from xarray_gds import device as _device
@@ -149,13 +153,32 @@ def consolidated_at_root(store: Store, group: str | None, zarr_format: int | Non
     """Whether the store's root holds consolidated metadata that lists ``group`` (the
     root itself when ``group`` is empty or "/"): the metadata xarray's engine="zarr"
     reads a group from, whichever group is asked for."""
-    try:
-        root = zarr.open_consolidated(store, mode="r", path="", zarr_format=zarr_format)
-    except Exception:  # no consolidated metadata at the root (ValueError), or no root
-        return False
-    listed = root.metadata.consolidated_metadata
+    listed = _v3_root_listing(store, zarr_format)
+    if listed is None:
+        try:
+            root = zarr.open_consolidated(store, mode="r", path="", zarr_format=zarr_format)
+        except Exception:  # no consolidated metadata at the root (ValueError), or no root
+            return False
+        listed = root.metadata.consolidated_metadata
     path = (group or "").strip("/")
     return listed is not None and (not path or path in listed.flattened_metadata)
+
+
+def _v3_root_listing(store: Store, zarr_format: int | None) -> Any:
+    """The consolidated metadata of a Zarr v3 root group, parsed by zarr from the root's
+    one document (``zarr.open_consolidated`` without a format asks for four, through
+    its event loop); None where the root is no such
+    group or its document does not parse (``zarr.open_consolidated`` then decides)."""
+    if zarr_format == 2:
+        return None
+    try:
+        doc = sync(store.get("zarr.json", default_buffer_prototype()))
+        meta = None if doc is None else json.loads(doc.to_bytes())
+        if not isinstance(meta, dict) or meta.get("node_type") != "group":
+            return None
+        return GroupMetadata.from_dict(meta).consolidated_metadata
+    except Exception:
+        return None
 
 
 def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> bool | None:
