@@ -117,7 +117,7 @@ class ReadEngine:
     def fetch_decode_many(self, asked: list[ReadRequest]) -> list[Decoded | BaseException]:
         """See the module's :func:`fetch_decode_many`."""
         config.validate()
-        requests = [_asked(r) for r in asked]
+        requests = [_located(r) for r in asked]
         with self.cond:
             self.waiting.extend(requests)
         try:
@@ -127,7 +127,11 @@ class ReadEngine:
         except BaseException:
             self._withdraw(requests)
             raise
-        return [r.outcome for r in requests if r.outcome is not None]
+        out: list[Decoded | BaseException] = []
+        for request in requests:
+            assert request.outcome is not None
+            out.append(request.outcome)
+        return out
 
     def fetch_decode_parts(
         self,
@@ -139,7 +143,7 @@ class ReadEngine:
         if len(parts) == 1:
             consume(0, self.fetch_decode(parts[0]))
             return
-        requests = [_asked(r) for r in parts]
+        requests = [_located(r) for r in parts]
         series = object()
         for before, request in zip([None, *requests], requests, strict=False):
             request.series, request.after = series, before
@@ -310,15 +314,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_engine_after_fork)
 
 
-def _asked(request: ReadRequest) -> _Asked:
+def _located(asked: ReadRequest) -> _Asked:
     """The engine's state of a request: its chunks located by the store's source."""
-    source = stores.source_for(request.store)
-    gpu = _device.cupy().cuda.Device().id if request.on_device else -1
-    ranges = request.ranges
+    source = stores.source_for(asked.store)
+    gpu = _device.cupy().cuda.Device().id if asked.on_device else -1
+    ranges = asked.ranges
     if ranges is None:
-        return _Asked(request, source, source.locate(list(request.keys)), gpu)
+        return _Asked(asked, source, source.locate(list(asked.keys)), gpu)
     located = source.locate(list(ranges.held))
-    return _Asked(request, source, [located[i] for i in ranges.which.tolist()], gpu)
+    return _Asked(asked, source, [located[i] for i in ranges.which.tolist()], gpu)
 
 
 def fetch_decode(request: ReadRequest) -> Decoded:
@@ -570,15 +574,15 @@ def _decode_members(
             members[0][0], chain, _subset(fetched, idx, on_device), keys, staging
         )
     except Exception:  # find which request it was
-        for m, i in members:
-            _serve_alone(m, staging, fetched, i)
+        for r, i in members:
+            _serve_alone(r, staging, fetched, i)
         return
     found = np.asarray(present, dtype=np.int64)
     at = 0  # first position of this request's chunks in the joined list
-    for asked, _ in members:
-        r = asked.request
+    for member, _ in members:
+        n = len(member.request.keys)
         first = int(np.searchsorted(found, at))
-        last = int(np.searchsorted(found, at + len(r.keys)))
+        last = int(np.searchsorted(found, at + n))
         mine = (found[first:last] - at).tolist()
-        asked.outcome = (mine, chunks[first:last] if mine else None)
-        at += len(r.keys)
+        member.outcome = (mine, chunks[first:last] if mine else None)
+        at += n
