@@ -178,10 +178,11 @@ class ReadEngine:
                     with progress:
                         while not request.done:
                             progress.wait(0.1)
-                    result, request.outcome = request.outcome, _CONSUMED
-                    if isinstance(result, BaseException):
-                        raise result
+                        result = request.outcome
+                        if isinstance(result, BaseException):
+                            raise result
                     assert result is not None
+                    request.outcome = _CONSUMED
                     consume(k, result)
                     del result
                     with progress:
