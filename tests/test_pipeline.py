@@ -391,8 +391,8 @@ def test_large_reads_overlap_fetch_and_decode(
         part_1_asked = threading.Event()
         lock = threading.Lock()
 
-        def late_lead(self: Any, request: Any) -> None:
-            k = _t2m_part(request.keys) if request.series is not None else None
+        def late_lead(self: Any, state: Any) -> None:
+            k = _t2m_part(state.request.keys) if state.series is not None else None
             if k == 0:
                 part_1_asked.wait()  # part 0's server asks once part 1's has
             if k is not None:
@@ -400,7 +400,7 @@ def test_large_reads_overlap_fetch_and_decode(
                     asked.append(k)
             if k == 1:
                 part_1_asked.set()
-            real_lead(self, request)
+            real_lead(self, state)
 
         monkeypatch.setattr(coalesce.ReadEngine, "_lead_or_wait", late_lead)
     monkeypatch.setattr(decode, "MIN_PART_BYTES", 1)
@@ -410,8 +410,8 @@ def test_large_reads_overlap_fetch_and_decode(
     real_read, real_decode = coalesce._read, decode.decode_fetched
 
     def spy_read(group: list) -> Any:
-        for request in group:
-            k = _t2m_part(request.keys)
+        for state in group:
+            k = _t2m_part(state.request.keys)
             if k is not None:
                 fetch_started[k].set()
         return real_read(group)
