@@ -270,8 +270,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "coalesce:joined-split-off-by-one",
         "coalesce.py",
-        "last = int(np.searchsorted(found, at + len(r.keys)))",
-        "last = int(np.searchsorted(found, at + len(r.keys) - 1))",
+        "last = int(np.searchsorted(found, at + n))",
+        "last = int(np.searchsorted(found, at + n - 1))",
         T_COALESCE,
     ),
     # decode.py: batches and the staged decode of the device route

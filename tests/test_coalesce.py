@@ -14,17 +14,24 @@ import numpy as np
 import pytest
 import zarr
 
-from xarray_gds import GdsStore, coalesce, decode
+from xarray_gds import GdsStore, coalesce, decode, stores
 from xarray_gds import device as _device
 from xarray_gds.errors import ChunkDecodeError
 from xarray_gds.pipeline import attach
 from xarray_gds.region import read_box
+from xarray_gds.request import ReadRequest
 
 ALL = (slice(None), slice(None), slice(None))
 
 
 def _open(path: Path) -> Any:
     return attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")["t2m"])
+
+
+def _asked(chain: Any, on_device: bool = False, gpu: int = -1) -> Any:
+    """A waiting request of one chunk, as the engine holds it."""
+    request = ReadRequest(None, chain, ["k"], on_device)
+    return coalesce._Asked(request, stores.LocalSource(None), ["p"], gpu)
 
 
 def _reference(path: Path) -> np.ndarray:
@@ -210,7 +217,7 @@ def test_requests_of_one_side_are_served_together(store_factory: Callable) -> No
     array = _open(store_factory(3, "zstd"))
     chain = array.async_array.codec_pipeline.chain
     sides = [(False, -1), (True, 0), (False, -1), (True, 1)]
-    reqs = [coalesce._Request(chain, ["k"], ["p"], *side) for side in sides]
+    reqs = [_asked(chain, *side) for side in sides]
     with coalesce.engine().cond:
         coalesce.engine().waiting[:] = reqs
         try:
@@ -226,7 +233,7 @@ def test_a_part_server_reads_its_own_part_first(store_factory: Callable) -> None
     others that join it, one part of a series a group), not the oldest request."""
     array = _open(store_factory(3, "zstd"))
     chain = array.async_array.codec_pipeline.chain
-    other, *parts = [coalesce._Request(chain, ["k"], ["p"], False) for _ in range(3)]
+    other, *parts = [_asked(chain) for _ in range(3)]
     series = object()
     for part in parts:
         part.series = series

@@ -78,7 +78,7 @@ def test_xarray_to_zarr_goes_through_the_pipeline_when_selected(
     take; host values take it with ``XARRAY_GDS_BATCHED_HOST_WRITES=1``), and the
     store reads back as the one xarray writes with zarr's own pipeline."""
     monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
-    batched = _count_calls(monkeypatch, xarray_gds.pipeline, "_write_batched")
+    batched = _count_calls(monkeypatch, xarray_gds.writes, "write_batched")
     ds = sample_dataset().drop_vars("station")
     codec: Any = zarr.codecs.ZstdCodec() if zarr_format == 3 else numcodecs.Zstd()
     encoding = {name: {"compressors": [codec]} for name in ("t2m", "n_obs", "u16")}

@@ -159,7 +159,7 @@ def test_to_zarr_encodes_in_batches_and_drops_empty_chunks(
     import xarray as xr
 
     import xarray_gds
-    from xarray_gds import pipeline
+    from xarray_gds import writes
 
     calls: list[int] = []
     if device == "cuda":
@@ -168,7 +168,7 @@ def test_to_zarr_encodes_in_batches_and_drops_empty_chunks(
         module, name = nvcomp, "encode"
     else:
         monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
-        module, name = pipeline, "encode_host"
+        module, name = writes, "encode_host"
     original = getattr(module, name)
 
     def counted(plan: Any, chunks: Any) -> Any:

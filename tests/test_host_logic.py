@@ -24,6 +24,7 @@ from xarray_gds import coalesce, decode, fuse, route, stores
 from xarray_gds import device as _device
 from xarray_gds.codecs import DecodeChain, plan_chain
 from xarray_gds.codecs.formats import get
+from xarray_gds.request import ReadRequest
 from xarray_gds.stores import refs, remote_device
 from xarray_gds.stores.local import GdsStore
 
@@ -71,7 +72,12 @@ def _chain(compressor: str | None, chunk: int = 1 << 20) -> DecodeChain:
 
 def _requests(*members: tuple[DecodeChain, int]) -> list[Any]:
     return [
-        coalesce._Request(chain, [f"k{i}/{j}" for j in range(n)], [], True, 0)
+        coalesce._Asked(
+            ReadRequest(None, chain, [f"k{i}/{j}" for j in range(n)], True),
+            stores.LocalSource(None),
+            [],
+            0,
+        )
         for i, (chain, n) in enumerate(members)
     ]
 

@@ -341,18 +341,18 @@ def test_write_empty_chunks_files_as_zarr(
     through zarr's codecs, and through the batched encoder, the path device values
     always take (``XARRAY_GDS_BATCHED_HOST_WRITES=1``)."""
     import xarray_gds
-    from xarray_gds import pipeline
+    from xarray_gds import writes
 
     if writer == "batched":
         monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
     batched: list[int] = []
-    original = pipeline._write_batched
+    original = writes.write_batched
 
     async def spy(*args: Any) -> None:
         batched.append(1)
         await original(*args)
 
-    monkeypatch.setattr(pipeline, "_write_batched", spy)
+    monkeypatch.setattr(writes, "write_batched", spy)
     ds = _empty_chunks_dataset()
     encoding: dict[str, dict[str, Any]] = {k: {"chunks": (2, 8, 8)} for k in ds}
     for name, fill in _fill_encoding(zarr_format).items():

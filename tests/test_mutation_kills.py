@@ -50,7 +50,7 @@ def _bounded(read: Any, seconds: float = 60.0) -> Any:
 
 # -- coalesce.py ----------------------------------------------------------------------------
 def test_points_read_in_one_part(v3_store: Path, v2_store: Path) -> None:
-    """coalesce ``while not state.done`` -> ``while state.done``: zarr's own indexing (a
+    """coalesce ``while not request.done`` -> ``while request.done``: zarr's own indexing (a
     points selection) reads through the pipeline in one part, ``fetch_decode`` of one
     request, as engine="zarr" reads it."""
     for store in (v3_store, v2_store):

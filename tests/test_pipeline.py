@@ -15,7 +15,7 @@ import xarray as xr
 import zarr
 
 import xarray_gds.array
-from xarray_gds import coalesce, decode, pipeline
+from xarray_gds import coalesce, decode, entries, pipeline, shards
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, crc32c, plan_chain
 from xarray_gds.codecs.filters import Undelta, Unshuffle
 from xarray_gds.errors import ChunkDecodeError
@@ -112,7 +112,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(len(keys))
         return real(chain, fetched, keys, *args)
 
-    real_shards = pipeline._assemble_shards
+    real_shards = shards._assemble_shards
 
     def spy_shards(chain: Any, part: list, *args: Any) -> Any:
         if part[0][0].path.startswith("t2m/"):
@@ -120,7 +120,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real_shards(chain, part, *args)
 
     monkeypatch.setattr(decode, "decode_fetched", spy)
-    monkeypatch.setattr(pipeline, "_assemble_shards", spy_shards)
+    monkeypatch.setattr(shards, "_assemble_shards", spy_shards)
     return calls
 
 
@@ -343,7 +343,7 @@ def test_whole_chunks_are_tiled_in_one_copy(
         path, zarr_format=3, encoding={"v": {"chunks": (4, 3, 5)}}
     )
     tiled: list[bool] = []
-    real = pipeline._tiling
+    real = entries.whole_tiling
 
     def spy(target: Any, *args: Any) -> Any:
         done = real(target, *args)
@@ -351,7 +351,7 @@ def test_whole_chunks_are_tiled_in_one_copy(
             tiled.append(done is not None)
         return done
 
-    monkeypatch.setattr(pipeline, "_tiling", spy)
+    monkeypatch.setattr(entries, "whole_tiling", spy)
     # the pipeline's own read (zarr's indexing: reads that are not boxes, reads of writes)
     monkeypatch.setattr(xarray_gds.array, "read_box", lambda *args: None)
     gds = xr.open_dataset(path, engine="gds-zarr", device=device)
@@ -371,18 +371,18 @@ def test_tile_puts_chunks_in_grid_order_whatever_their_order() -> None:
     whole = np.arange(4 * 9).reshape(4, 9)
     cells = [(1, 2), (0, 0), (1, 0), (0, 2), (0, 1), (1, 1)]
     chunks = np.stack([whole[r * 2 : r * 2 + 2, c * 3 : c * 3 + 3] for r, c in cells])
-    entries = [
+    batch = [
         (None, None, (), (slice(r * 2, r * 2 + 2), slice(c * 3, c * 3 + 3)), True) for r, c in cells
     ]
     target = np.zeros_like(whole)
-    tiling = pipeline._tiling(target, chunk, entries, ())
+    tiling = entries.whole_tiling(target, chunk, batch, ())
     assert tiling is not None and tiling.grid == (2, 3)
     n = len(cells)
-    place(target, chunks, list(range(n)), n, lambda k: (entries[k][3], ()), 0, False, tiling=tiling)
+    place(target, chunks, list(range(n)), n, lambda k: (batch[k][3], ()), 0, False, tiling=tiling)
     np.testing.assert_array_equal(target, whole)
     # an entry that is not a whole chunk disqualifies the batch
-    entries[0] = (*entries[0][:4], False)
-    assert pipeline._tiling(np.zeros_like(whole), chunk, entries, ()) is None
+    batch[0] = (*batch[0][:4], False)
+    assert entries.whole_tiling(np.zeros_like(whole), chunk, batch, ()) is None
 
 
 def _t2m_part(keys: Any) -> int | None:
@@ -413,8 +413,8 @@ def test_large_reads_overlap_fetch_and_decode(
         part_1_asked = threading.Event()
         lock = threading.Lock()
 
-        def late_lead(self: Any, request: Any) -> None:
-            k = _t2m_part(request.keys) if request.series is not None else None
+        def late_lead(self: Any, state: Any) -> None:
+            k = _t2m_part(state.request.keys) if state.series is not None else None
             if k == 0:
                 part_1_asked.wait()  # part 0's server asks once part 1's has
             if k is not None:
@@ -422,7 +422,7 @@ def test_large_reads_overlap_fetch_and_decode(
                     asked.append(k)
             if k == 1:
                 part_1_asked.set()
-            real_lead(self, request)
+            real_lead(self, state)
 
         monkeypatch.setattr(coalesce.ReadEngine, "_lead_or_wait", late_lead)
     monkeypatch.setattr(decode, "MIN_PART_BYTES", 1)
@@ -432,8 +432,8 @@ def test_large_reads_overlap_fetch_and_decode(
     real_read, real_decode = coalesce._read, decode.decode_fetched
 
     def spy_read(group: list) -> Any:
-        for request in group:
-            k = _t2m_part(request.keys)
+        for state in group:
+            k = _t2m_part(state.request.keys)
             if k is not None:
                 fetch_started[k].set()
         return real_read(group)

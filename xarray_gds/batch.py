@@ -8,6 +8,7 @@ the read engine all build on it.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import functools
@@ -31,6 +32,7 @@ __all__ = [
     "PinnedStaging",
     "pack",
     "offload",
+    "offloaded",
     "pack_offsets",
     "parallel",
     "pool_threads",
@@ -125,6 +127,13 @@ def offload(fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
     they need.
     """
     return _engine_threads().submit(fn, *args)
+
+
+async def offloaded(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in the read engine's own threads (:func:`offload`), awaited on an
+    event loop: never in the loop's default executor, whose workers zarr's stores need
+    to serve the reads the engine waits for."""
+    return await asyncio.wrap_future(offload(fn, *args))
 
 
 def pool_threads() -> int:

@@ -35,7 +35,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,42 +62,36 @@ class _Withdrawn(Exception):
 
 
 @dataclass(eq=False)
-class _Request:
-    chain: DecodeChain
-    keys: Sequence[str]
-    paths: list[Any]
-    on_device: bool
+class _Asked:
+    """A request while the engine serves it: the :class:`ReadRequest` as it was asked,
+    and what coalescing keeps beside it."""
+
+    request: ReadRequest
+    source: stores.Source  #: what reads the request's store
+    paths: list[Any]  #: where ``source`` reads each chunk (or byte range) from
     gpu: int = -1  #: the CUDA device current in the asking thread (-1 on the host)
-    #: where ``paths`` are read from (by default: paths of local files)
-    source: stores.Source = field(default_factory=lambda: stores.LocalSource(None))
-    #: byte ranges (``starts, sizes``) of ``paths`` to read (shards' inner chunks);
-    #: None reads each location whole
-    ranges: tuple[np.ndarray, np.ndarray] | None = None
     series: object = None  #: the parts of one read share it: never in one group
     #: the part before it of a read in parts: this one is not read before that is taken
-    after: _Request | None = None
+    after: _Asked | None = None
     taken: bool = False  #: in a group being served
     host_decode: bool = False  #: a device request whose group decodes on the host
-    #: ``sink(i, chunk)``: takes chunk ``i`` as soon as it is decoded, in the decoding
-    #: thread, where the group is streamed (:func:`_serve_streamed`); the result then
-    #: holds :data:`STREAMED` in place of the chunks
-    sink: Callable[[int, Any], None] | None = None
-    result: Decoded | None = None
-    error: BaseException | None = None
+    #: its chunks (:data:`STREAMED` in their place where its sink took them), or the
+    #: error to raise in the thread that asked
+    outcome: Decoded | BaseException | None = None
 
     @property
     def done(self) -> bool:
         """Served: it has its chunks, or the error to raise."""
-        return self.result is not None or self.error is not None
+        return self.outcome is not None
 
     @property
     def decode_on_device(self) -> bool:
         """Whether its chunks are read into device memory and decoded by nvCOMP."""
-        return self.on_device and not self.host_decode
+        return self.request.on_device and not self.host_decode
 
     @property
     def nbytes(self) -> int:
-        return len(self.keys) * self.chain.nbytes
+        return len(self.request.keys) * self.request.chain.nbytes
 
 
 class ReadEngine:
@@ -108,32 +102,22 @@ class ReadEngine:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.waiting: list[_Request] = []
+        self.waiting: list[_Asked] = []
         self.reader: object | None = None  #: the group whose files are being read
         self.decoders: set[object] = set()  #: the groups read and being decoded
         self.staging = PinnedStaging()
 
     def fetch_decode(self, request: ReadRequest) -> Decoded:
         """See the module's :func:`fetch_decode`."""
-        config.validate()
-        state = _request(request)
-        with self.cond:
-            self.waiting.append(state)
-        try:
-            while not state.done:
-                self._lead_or_wait(state)
-        except BaseException:
-            self._withdraw([state])
-            raise
-        if state.error is not None:
-            raise state.error
-        assert state.result is not None
-        return state.result
+        (outcome,) = self.fetch_decode_many([request])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def fetch_decode_many(self, asked: list[ReadRequest]) -> list[Decoded | BaseException]:
         """See the module's :func:`fetch_decode_many`."""
         config.validate()
-        requests = [_request(r) for r in asked]
+        requests = [_located(r) for r in asked]
         with self.cond:
             self.waiting.extend(requests)
         try:
@@ -145,11 +129,8 @@ class ReadEngine:
             raise
         out: list[Decoded | BaseException] = []
         for request in requests:
-            if request.error is not None:
-                out.append(request.error)
-            else:
-                assert request.result is not None
-                out.append(request.result)
+            assert request.outcome is not None
+            out.append(request.outcome)
         return out
 
     def fetch_decode_parts(
@@ -162,7 +143,7 @@ class ReadEngine:
         if len(parts) == 1:
             consume(0, self.fetch_decode(parts[0]))
             return
-        requests = [_request(r) for r in parts]
+        requests = [_located(r) for r in parts]
         series = object()
         for before, request in zip([None, *requests], requests, strict=False):
             request.series, request.after = series, before
@@ -186,7 +167,7 @@ class ReadEngine:
                         self._lead_or_wait(requests[k])
                 except BaseException as err:  # handed to the consumer, which raises it
                     if not requests[k].done:
-                        requests[k].error = err
+                        requests[k].outcome = err
                 with progress:
                     progress.notify_all()
 
@@ -197,10 +178,11 @@ class ReadEngine:
                     with progress:
                         while not request.done:
                             progress.wait(0.1)
-                        if request.error is not None:
-                            raise request.error
-                    assert request.result is not None
-                    result, request.result = request.result, _CONSUMED
+                        result = request.outcome
+                        if isinstance(result, BaseException):
+                            raise result
+                    assert result is not None
+                    request.outcome = _CONSUMED
                     consume(k, result)
                     del result
                     with progress:
@@ -215,21 +197,21 @@ class ReadEngine:
         for server in servers:
             server.result()
 
-    def _withdraw(self, requests: list[_Request]) -> None:
+    def _withdraw(self, requests: list[_Asked]) -> None:
         """Interrupted: nobody is to read the requests not taken yet any more (a part
         server waiting for one of them stops)."""
         with self.cond:
             for request in requests:
                 if not request.taken and request in self.waiting:
                     self.waiting.remove(request)
-                    request.error = _Withdrawn()
+                    request.outcome = _Withdrawn()
             self.cond.notify_all()
 
-    def _lead_or_wait(self, request: _Request) -> None:
+    def _lead_or_wait(self, request: _Asked) -> None:
         """Wait until ``request`` is served, or serve a group of requests (the first one
         waiting, and those that join it), then return."""
         token = object()
-        group: list[_Request] = []
+        group: list[_Asked] = []
         cond = self.cond
         with cond:
             while self._must_wait(request):
@@ -239,7 +221,7 @@ class ReadEngine:
             group = self._take(request)
             self.reader = token
         try:
-            if group[0].on_device:
+            if group[0].request.on_device:
                 host = _host_route(group)
                 for r in group:
                     r.host_decode = host
@@ -269,7 +251,7 @@ class ReadEngine:
                 self.decoders.discard(token)
                 cond.notify_all()
 
-    def _must_wait(self, request: _Request) -> bool:
+    def _must_wait(self, request: _Asked) -> bool:
         """Whether the thread serving ``request`` waits: while another thread reads, or
         serves this request, or two groups are decoding (at most two groups' bytes are
         alive at once), or, for a part of a read in parts, until the part before it is
@@ -285,7 +267,7 @@ class ReadEngine:
             or (before is not None and not (before.taken or before.done))
         )
 
-    def _take(self, request: _Request) -> list[_Request]:
+    def _take(self, request: _Asked) -> list[_Asked]:
         """The waiting requests for the first one's side (the host, or its GPU) that fit
         the batch budget together (the first one always), removed from the queue. The
         first one is the oldest waiting, or, for a part of a read in parts, the leader's
@@ -294,13 +276,13 @@ class ReadEngine:
         own = request.series is not None and not request.taken
         first = request if own else self.waiting[0]
         with _on_gpu(first):
-            budget = decode.budget(first.on_device)
-        group: list[_Request] = []
-        rest: list[_Request] = []
+            budget = decode.budget(first.request.on_device)
+        group: list[_Asked] = []
+        rest: list[_Asked] = []
         total = 0
         series: set[int] = set()  # a read's parts go one a group (fetch_decode_parts)
         for r in [first, *(r for r in self.waiting if r is not first)]:
-            same_side = (r.on_device, r.gpu) == (first.on_device, first.gpu)
+            same_side = (r.request.on_device, r.gpu) == (first.request.on_device, first.gpu)
             fits = not group or total + r.nbytes <= budget
             if same_side and fits and (r.series is None or id(r.series) not in series):
                 group.append(r)
@@ -333,28 +315,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_engine_after_fork)
 
 
-def _request(asked: ReadRequest) -> _Request:
+def _located(asked: ReadRequest) -> _Asked:
     """The engine's state of a request: its chunks located by the store's source."""
     source = stores.source_for(asked.store)
     gpu = _device.cupy().cuda.Device().id if asked.on_device else -1
     ranges = asked.ranges
     if ranges is None:
-        paths = source.locate(list(asked.keys))
-        return _Request(
-            asked.chain, asked.keys, paths, asked.on_device, gpu, source, sink=asked.sink
-        )
+        return _Asked(asked, source, source.locate(list(asked.keys)), gpu)
     located = source.locate(list(ranges.held))
-    paths = [located[i] for i in ranges.which.tolist()]
-    return _Request(
-        asked.chain,
-        asked.keys,
-        paths,
-        asked.on_device,
-        gpu,
-        source,
-        (ranges.starts, ranges.sizes),
-        sink=asked.sink,
-    )
+    return _Asked(asked, source, [located[i] for i in ranges.which.tolist()], gpu)
 
 
 def fetch_decode(request: ReadRequest) -> Decoded:
@@ -393,21 +362,21 @@ _CONSUMED: Decoded = ([], None)
 STREAM_CHUNK = 256 << 10
 
 
-def _streamable(group: list[_Request]) -> bool:
+def _streamable(group: list[_Asked]) -> bool:
     """Whether a group is served chunk by chunk (:func:`_serve_streamed`): host reads of
     whole chunks of large size from sources that stream (local files), every request
     with a sink."""
     return all(
-        r.sink is not None
-        and not r.on_device
-        and r.ranges is None
+        r.request.sink is not None
+        and not r.request.on_device
+        and r.request.ranges is None
         and r.source.streams
-        and r.chain.nbytes >= STREAM_CHUNK
+        and r.request.chain.nbytes >= STREAM_CHUNK
         for r in group
     )
 
 
-def _serve_streamed(group: list[_Request]) -> None:
+def _serve_streamed(group: list[_Asked]) -> None:
     """Each chunk of the group read, decoded and handed to its request's sink by one
     thread of the host pool, one chunk after the other (no step waits for the whole
     batch, and a chunk's bytes are still in the cache for the next step). On the
@@ -425,7 +394,7 @@ def _serve_streamed(group: list[_Request]) -> None:
 
     def one(t: int) -> None:
         n, j = tasks[t]
-        r = group[n]
+        r = group[n].request
         if errors[n] is not None:
             return
         try:
@@ -444,17 +413,15 @@ def _serve_streamed(group: list[_Request]) -> None:
     finally:
         reads.close()
     for n, r in enumerate(group):
-        if errors[n] is not None:
-            r.error = errors[n]
-        else:
-            r.result = (np.flatnonzero(found[n]).tolist(), STREAMED)
+        error = errors[n]
+        r.outcome = error if error is not None else (np.flatnonzero(found[n]).tolist(), STREAMED)
 
 
-def _host_route(group: list[_Request]) -> bool:
+def _host_route(group: list[_Asked]) -> bool:
     """Whether a group of device requests decodes on the host (see :mod:`xarray_gds.route`):
     when every decode chain of the group is faster there for its number of chunks."""
     counts: list[tuple[DecodeChain, int]] = []
-    for r in group:
+    for r in (a.request for a in group):
         for i, (chain, n) in enumerate(counts):
             if chain == r.chain:
                 counts[i] = (chain, n + len(r.keys))
@@ -468,7 +435,7 @@ def _host_route(group: list[_Request]) -> bool:
 
 
 def _decode(
-    r: _Request, chain: DecodeChain, fetched: Any, keys: Sequence[str], staging: PinnedStaging
+    r: _Asked, chain: DecodeChain, fetched: Any, keys: Sequence[str], staging: PinnedStaging
 ) -> tuple[list[int], Any]:
     """Decode fetched chunks as ``r``'s group does: on the GPU (the host pool taking a
     share where :func:`route.plan` gives it one), on the host, or on the host for the
@@ -483,15 +450,15 @@ def _decode(
     return decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
 
 
-def _read(group: list[_Request]) -> Any:
+def _read(group: list[_Asked]) -> Any:
     """Every chunk of the requests of ``group``, in one batch (one read per kind of
     source, see :mod:`xarray_gds.stores`; whole chunks and byte ranges apart)."""
-    if all(r.ranges is None for r in group):
+    if all(r.request.ranges is None for r in group):
         return _read_whole(group)
     bounds = np.cumsum([0] + [len(r.paths) for r in group])
     parts: list[tuple[np.ndarray, Any]] = []
     for ranged in (False, True):
-        members = [i for i, r in enumerate(group) if (r.ranges is not None) == ranged]
+        members = [i for i, r in enumerate(group) if (r.request.ranges is not None) == ranged]
         if not members:
             continue
         idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in members])
@@ -500,19 +467,20 @@ def _read(group: list[_Request]) -> Any:
     return stores.join(parts, int(bounds[-1]), group[0].decode_on_device)
 
 
-def _read_ranges(group: list[_Request]) -> Any:
+def _read_ranges(group: list[_Asked]) -> Any:
     paths = [p for r in group for p in r.paths]
-    starts = np.concatenate([r.ranges[0] for r in group if r.ranges is not None])
-    sizes = np.concatenate([r.ranges[1] for r in group if r.ranges is not None])
+    ranges = [r.request.ranges for r in group if r.request.ranges is not None]
+    starts = np.concatenate([r.starts for r in ranges])
+    sizes = np.concatenate([r.sizes for r in ranges])
     spread = [r.source for r in group for _ in r.paths]
     return stores.read(spread, paths, group[0].decode_on_device, None, (starts, sizes))
 
 
-def _read_whole(group: list[_Request]) -> Any:
+def _read_whole(group: list[_Asked]) -> Any:
     paths = [p for r in group for p in r.paths]
     on_device = group[0].decode_on_device
     counts = [len(r.paths) for r in group]
-    slots = np.repeat([r.chain.stored_bound for r in group], counts) if on_device else None
+    slots = np.repeat([r.request.chain.stored_bound for r in group], counts) if on_device else None
     spread = [r.source for r, n in zip(group, counts, strict=True) for _ in range(n)]
     return stores.read(spread, paths, on_device, slots)
 
@@ -524,7 +492,7 @@ def _subset(fetched: Any, idx: np.ndarray, on_device: bool) -> Any:
 
 
 def _serve_alone(
-    r: _Request, staging: PinnedStaging, fetched: Any = None, idx: np.ndarray | None = None
+    r: _Asked, staging: PinnedStaging, fetched: Any = None, idx: np.ndarray | None = None
 ) -> None:
     """Serve ``r`` on its own: from rows ``idx`` of ``fetched``, or from a read of its
     own files when there is no ``fetched``."""
@@ -533,37 +501,37 @@ def _serve_alone(
             fetched = _read([r])
         elif idx is not None:
             fetched = _subset(fetched, idx, r.decode_on_device)
-        r.result = _decode(r, r.chain, fetched, r.keys, staging)
+        r.outcome = _decode(r, r.request.chain, fetched, r.request.keys, staging)
     except Exception as err:  # raised in the thread that asked
-        r.error = err
+        r.outcome = err
 
 
 @contextlib.contextmanager
-def _on_gpu(first: _Request) -> Iterator[None]:
+def _on_gpu(first: _Asked) -> Iterator[None]:
     """The requests' own GPU current while a group is served (nothing on the host)."""
-    if not first.on_device:
+    if not first.request.on_device:
         yield
         return
     with _device.cupy().cuda.Device(first.gpu):
         yield
 
 
-def _read_group(group: list[_Request]) -> Any:
+def _read_group(group: list[_Asked]) -> Any:
     """Every file of the group's requests, in one batch; ``None`` when that read
     failed (a lone request keeps the error; a group's requests read again alone)."""
     try:
         return _read(group)
     except Exception as err:  # raised in the thread that asked, or read again alone
         if len(group) == 1:
-            group[0].error = err
+            group[0].outcome = err
         return None
 
 
-def _decode_group(group: list[_Request], fetched: Any, staging: PinnedStaging) -> None:
+def _decode_group(group: list[_Asked], fetched: Any, staging: PinnedStaging) -> None:
     """One decode per decode chain of the group's fetched files; each request on its
     own when that fails (from the same files), or when the joined read failed (each
     reading its own files again)."""
-    starts = np.cumsum([0] + [len(r.keys) for r in group])
+    starts = np.cumsum([0] + [len(r.request.keys) for r in group])
     spans = [np.arange(a, b) for a, b in itertools.pairwise(starts.tolist())]
     if fetched is not None:
         # an unforeseen failure here leaves each request to be decoded alone below
@@ -575,15 +543,15 @@ def _decode_group(group: list[_Request], fetched: Any, staging: PinnedStaging) -
 
 
 def _decode_joined(
-    group: list[_Request], spans: list[np.ndarray], fetched: Any, staging: PinnedStaging
+    group: list[_Asked], spans: list[np.ndarray], fetched: Any, staging: PinnedStaging
 ) -> None:
     on_device = group[0].decode_on_device
-    by_chain: list[tuple[DecodeChain, list[tuple[_Request, np.ndarray]]]] = []
+    by_chain: list[tuple[DecodeChain, list[tuple[_Asked, np.ndarray]]]] = []
     for r, idx in zip(group, spans, strict=True):
         # chains compare equal across stores; they are not hashable (codec objects)
-        members = next((m for c, m in by_chain if c == r.chain), None)
+        members = next((m for c, m in by_chain if c == r.request.chain), None)
         if members is None:
-            by_chain.append((r.chain, members := []))
+            by_chain.append((r.request.chain, members := []))
         members.append((r, idx))
     for chain, members in by_chain:
         _decode_members(chain, members, fetched, on_device, staging)
@@ -591,7 +559,7 @@ def _decode_joined(
 
 def _decode_members(
     chain: DecodeChain,
-    members: list[tuple[_Request, np.ndarray]],
+    members: list[tuple[_Asked, np.ndarray]],
     fetched: Any,
     on_device: bool,
     staging: PinnedStaging,
@@ -601,7 +569,7 @@ def _decode_members(
         _serve_alone(members[0][0], staging, fetched, members[0][1])
         return
     idx = np.concatenate([i for _, i in members])
-    keys = decode.Joined([r.keys for r, _ in members])
+    keys = decode.Joined([m.request.keys for m, _ in members])
     try:
         present, chunks = _decode(
             members[0][0], chain, _subset(fetched, idx, on_device), keys, staging
@@ -612,9 +580,10 @@ def _decode_members(
         return
     found = np.asarray(present, dtype=np.int64)
     at = 0  # first position of this request's chunks in the joined list
-    for r, _ in members:
+    for member, _ in members:
+        n = len(member.request.keys)
         first = int(np.searchsorted(found, at))
-        last = int(np.searchsorted(found, at + len(r.keys)))
+        last = int(np.searchsorted(found, at + n))
         mine = (found[first:last] - at).tolist()
-        r.result = (mine, chunks[first:last] if mine else None)
-        at += len(r.keys)
+        member.outcome = (mine, chunks[first:last] if mine else None)
+        at += n
