@@ -1,7 +1,8 @@
 """The package's layout: the core (every module of ``xarray_gds`` outside
 ``xarray_gds/tools``) never imports the tools (command line, demo, benchmarks,
 calibration, the loopback S3 server), starts no server, and a read with
-``engine="gds-zarr"`` loads none of the tools."""
+``engine="gds-zarr"`` loads none of the tools; no core module is over 600 lines and no
+core function over 80."""
 
 from __future__ import annotations
 
@@ -137,3 +138,45 @@ def test_command_line_entry_point_is_the_tools_cli() -> None:
     from xarray_gds.tools import cli
 
     assert callable(cli.main)
+
+
+#: the most lines a core module and a core function (its docstring included) may have:
+#: past them a module holds more than one job and a function more than one step
+MODULE_LINES = 600
+FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    tree = ast.parse(path.read_text())
+    return [
+        f"{path.relative_to(root)}:{node.lineno} {node.name} "
+        f"({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
+    ]
+
+
+def test_core_modules_and_functions_stay_short() -> None:
+    long_modules = [
+        f"{p.relative_to(PACKAGE.parent)} ({n} lines)"
+        for p in CORE
+        if (n := len(p.read_text().splitlines())) > MODULE_LINES
+    ]
+    long_functions = [f for p in CORE for f in _long_functions(p)]
+    assert long_modules == [], f"split these modules by job: {long_modules}"
+    assert long_functions == [], f"split these functions into named steps: {long_functions}"
+
+
+def test_the_length_check_sees_long_functions_at_any_depth(tmp_path: Path) -> None:
+    def source(name: str, lines: int, indent: str = "") -> str:
+        body = "\n".join(f"{indent}    x{i} = {i}" for i in range(lines - 1))
+        return f"{indent}{name}:\n{body}\n"
+
+    text = source("async def long_async()", FUNCTION_LINES + 1)
+    text += source("def just_short()", FUNCTION_LINES)
+    text += "class C:\n" + source("def long_method(self)", FUNCTION_LINES + 1, "    ")
+    (tmp_path / "m.py").write_text(text)
+    found = [f.split(" (")[0] for f in _long_functions(tmp_path / "m.py", tmp_path)]
+    assert found == ["m.py:1 long_async", f"m.py:{2 * FUNCTION_LINES + 3} long_method"]
