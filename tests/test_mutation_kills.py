@@ -318,24 +318,31 @@ def test_a_lock_file_that_cannot_be_made_warns_and_writes(tmp_path: Path) -> Non
     lock file that cannot be opened (a directory stands at its path) warns, naming it,
     at the line that asked for the lock, and the write goes on without the lock, writing
     what engine="zarr" reads back as the dataset written."""
+    import inspect
     import warnings
 
     from zarr.storage import LocalStore
 
     import xarray_gds
+    from xarray_gds.errors import WriterLockWarning
     from xarray_gds.stores.lock import lock_path
 
     root = tmp_path / "s.zarr"
     lock_path(root).mkdir(parents=True)
-    with pytest.warns(RuntimeWarning, match="cannot make the writer lock file") as caught:
+    with pytest.warns(WriterLockWarning, match="cannot make the writer lock file") as caught:
         _writer_lock(LocalStore(root)).release()
     (warning,) = caught
     assert str(lock_path(root)) in str(warning.message)
     assert warning.filename == __file__, warning.filename
     ds = xr.Dataset({"v": (("a",), np.arange(6.0))})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "xarray-gds: cannot make the writer lock file")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", WriterLockWarning)
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
         xarray_gds.to_zarr(ds, root, mode="w")
+    # at the user's line, in the package's category (a RuntimeWarning too)
+    (warning,) = [w for w in caught if w.category is WriterLockWarning]
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert issubclass(WriterLockWarning, RuntimeWarning | xarray_gds.XarrayGdsWarning)
     xr.testing.assert_identical(xr.open_dataset(root, engine="zarr").load(), ds)
 
 

@@ -260,3 +260,98 @@ def test_local_kind_keeps_reading_after_a_store_moves(tmp_path: Path) -> None:
     assert opened is not None and isinstance(opened.store, GdsStore)
     assert sync(opened.store.get("zarr.json", cpu.buffer_prototype)) is not None
     shutil.rmtree(root)
+
+
+def test_the_capability_table_of_the_docs_is_the_sources() -> None:
+    """docs/internals.md's table of capabilities says, for every kind, what its source
+    class declares (a capability the table and the class disagree on fails here)."""
+    from xarray_gds.stores import base
+    from xarray_gds.stores.generic import MemorySource, StoreSource
+    from xarray_gds.stores.icechunk import IcechunkSource
+    from xarray_gds.stores.local import DirectorySource, LocalSource
+    from xarray_gds.stores.refs import ReferenceSource
+    from xarray_gds.stores.remote import RemoteSource
+
+    columns = {
+        "local": LocalSource,
+        "directory": DirectorySource,
+        "memory": MemorySource,
+        "refs": ReferenceSource,
+        "remote": RemoteSource,
+        "icechunk": IcechunkSource,
+        "any Store": StoreSource,
+    }
+    page = (Path(__file__).resolve().parent.parent / "docs" / "internals.md").read_text()
+    lines = [line for line in page.splitlines() if line.startswith("| ")]
+    header = next(line for line in lines if line.startswith("| capability |"))
+    names = [cell.strip() for cell in header.strip("|").split("|")][2:]
+    assert names == list(columns)
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        capability = cells[0].strip("`")
+        if len(cells) == len(names) + 2 and hasattr(base.Source, capability):
+            rows[capability] = [cell == "yes" for cell in cells[2:]]
+    declared = {
+        name
+        for name, value in vars(base.Source).items()
+        if isinstance(value, bool) and not name.startswith("_")
+    }
+    assert set(rows) == declared
+    for capability, marks in rows.items():
+        got = [getattr(cls, capability) for cls in columns.values()]
+        assert got == marks, f"{capability}: the classes declare {got}, the table {marks}"
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_existed_says_whether_the_store_holds_a_key(wrap: bool) -> None:
+    """What a failed write asks of every written key before removing what it created:
+    a key the store holds existed, one it lacks did not (a memory store's own source,
+    and any other zarr Store's)."""
+    from zarr.storage import LoggingStore
+
+    inner = MemoryStore()
+    store = LoggingStore(inner) if wrap else inner
+    sync(store.set("v/zarr.json", cpu.Buffer.from_bytes(b"{}")))
+    source = stores.source_for(store)
+    assert type(source).__name__ == ("StoreSource" if wrap else "MemorySource")
+    assert source.existed("v/zarr.json") is True
+    assert source.existed("v/c/0") is False
+
+
+def _bytes_of(batch: Any, i: int) -> bytes | None:
+    size = int(batch.sizes[i])
+    start = int(batch.offsets[i])
+    return None if size < 0 else bytes(np.asarray(batch.arena[start : start + size]))
+
+
+def test_reads_for_the_device_are_packed_and_joined_in_location_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A source's reads for the device (CuPy stood in for by numpy): host arrays packed
+    into one arena, missing ones left out; disjoint reads of parts of the locations
+    joined into one batch in location order, a single read in order handed on as it
+    is."""
+    from tests.test_host_logic import _fake_cupy
+    from xarray_gds import device as _device
+    from xarray_gds.batch import DeviceBatch
+    from xarray_gds.stores import base
+
+    monkeypatch.setattr(_device, "cupy", _fake_cupy)
+    chunks = [b"abc", None, b"", b"defgh", b"ij"]
+    found = [None if c is None else np.frombuffer(c, np.uint8) for c in chunks]
+    packed = base.on_side(found, True)
+    assert isinstance(packed, DeviceBatch)
+    assert [_bytes_of(packed, i) for i in range(5)] == chunks
+    # the locations read in two parts, each in an order of its own
+    first, second = [3, 0, 1], [4, 2]
+    parts = [
+        (np.array(idx), base.on_side([found[i] for i in idx], True)) for idx in (first, second)
+    ]
+    joined = base.join(parts, 5, True)
+    assert [_bytes_of(joined, i) for i in range(5)] == chunks
+    # one part of every location: as it is when in order, reordered when not
+    assert base.join([(np.arange(5), packed)], 5, True) is packed
+    backwards = base.on_side(found[::-1], True)
+    again = base.join([(np.arange(5)[::-1], backwards)], 5, True)
+    assert [_bytes_of(again, i) for i in range(5)] == chunks

@@ -15,6 +15,7 @@ from xarray_gds.errors import (
     ConsolidatedMetadataWarning,
     HostBlocksWarning,
     HostRouteWarning,
+    WriterLockWarning,
     XarrayGdsWarning,
 )
 from xarray_gds.loader import BatchLoader
@@ -39,5 +40,6 @@ __all__ = [
     "placement",
     "resolve_device",
     "to_zarr",
+    "WriterLockWarning",
     "XarrayGdsWarning",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "ConsolidatedMetadataWarning",
     "HostBlocksWarning",
     "HostRouteWarning",
+    "WriterLockWarning",
     "XarrayGdsWarning",
     "warn",
 ]
@@ -30,6 +31,11 @@ class HostRouteWarning(XarrayGdsWarning, RuntimeWarning):
 
 class ConsolidatedMetadataWarning(XarrayGdsWarning, RuntimeWarning):
     """A store opened with ``consolidated=None`` has no consolidated metadata."""
+
+
+class WriterLockWarning(XarrayGdsWarning, RuntimeWarning):
+    """A write goes on without its writer lock file, which could not be made: a
+    concurrent writer of the same store is not excluded."""
 
 
 class HostBlocksWarning(XarrayGdsWarning, UserWarning):

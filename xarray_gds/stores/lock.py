@@ -33,9 +33,10 @@ import os
 import socket
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
+
+from xarray_gds.errors import WriterLockWarning, warn
 
 __all__ = ["DEFAULT_TIMEOUT", "LOCK_NAME", "FileLock", "ProcessLock", "lock_path"]
 
@@ -109,12 +110,11 @@ class FileLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as err:
-            warnings.warn(
+            warn(
                 f"xarray-gds: cannot make the writer lock file {self.path} ({err}): writing "
                 f"{self.store} without it, so a concurrent writer of the same store is not "
                 "excluded. Make the store's directory writable to have it.",
-                RuntimeWarning,
-                stacklevel=4,
+                WriterLockWarning,
             )
             return None
 
