@@ -128,17 +128,21 @@ def test_only_a_few_threads_keep_their_codecs(lanes: SimpleNamespace) -> None:
         called.release()
         finish.wait()
 
-    threads = [threading.Thread(target=work) for _ in range(n)]
-    for t in threads:
-        t.start()
-        assert called.acquire(timeout=30)  # one call at a time: the first ones keep
-    gc.collect()
-    assert [ref() is not None for ref in codecs] == [True] * nvcomp.KEPT_CODECS + [False] * 3
-    assert len({id(ref()) for ref in lanes_seen}) == n  # a lane a thread
-    assert len(nvcomp._keepers[0]) == nvcomp.KEPT_CODECS
-    finish.set()
-    for t in threads:
-        t.join()
+    # daemon threads, released in any case: a failed assertion must not hang the run
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(n)]
+    try:
+        for t in threads:
+            t.start()
+            assert called.acquire(timeout=30)  # one call at a time: the first ones keep
+        gc.collect()
+        kept = [ref() is not None for ref in codecs]
+        assert kept == [True] * nvcomp.KEPT_CODECS + [False] * 3
+        assert len({id(ref()) for ref in lanes_seen}) == n  # a lane a thread
+        assert len(nvcomp._keepers[0]) == nvcomp.KEPT_CODECS
+    finally:
+        finish.set()
+        for t in threads:
+            t.join(timeout=30)
     gc.collect()
     assert [ref() for ref in codecs] == [None] * n
     assert [ref() for ref in lanes_seen] == [None] * n
@@ -158,6 +162,57 @@ def test_a_failed_call_drops_the_codecs(lanes: SimpleNamespace) -> None:
     assert lane not in nvcomp._keepers.get(0, set())
     with nvcomp._lane() as again:
         assert again is lane and _call(again)() is not None
+
+
+def test_a_keeper_whose_call_failed_gives_up_its_place(lanes: SimpleNamespace) -> None:
+    """A keeper's failed call drops its codecs and its place among the keepers: a
+    thread that finishes a call next keeps its codecs in that place, and the failed
+    lane, with every place taken, no longer keeps any."""
+    with nvcomp._lane() as mine:
+        _call(mine)
+    called = threading.Semaphore(0)
+    finish = threading.Event()
+
+    def work() -> None:
+        with nvcomp._lane() as lane:
+            _call(lane)
+        called.release()
+        finish.wait()
+
+    # the other keepers: threads alive until the end
+    others = [threading.Thread(target=work, daemon=True) for _ in range(nvcomp.KEPT_CODECS - 1)]
+    newcomer: list[weakref.ref[_Codec]] = []
+
+    def late() -> None:
+        with nvcomp._lane() as lane:
+            newcomer.append(_call(lane))
+        called.release()
+        finish.wait()
+
+    late_thread = threading.Thread(target=late, daemon=True)
+    try:
+        for t in others:
+            t.start()
+            assert called.acquire(timeout=30)
+        assert mine in nvcomp._keepers[0] and len(nvcomp._keepers[0]) == nvcomp.KEPT_CODECS
+        with pytest.raises(RuntimeError, match="boom"), nvcomp._lane() as again:
+            assert again is mine
+            raise RuntimeError("boom")
+        assert mine not in nvcomp._keepers[0] and mine.codecs == {}
+        late_thread.start()
+        assert called.acquire(timeout=30)
+        gc.collect()
+        assert newcomer[0]() is not None  # kept, in the place the failed lane gave up
+        assert len(nvcomp._keepers[0]) == nvcomp.KEPT_CODECS
+        with nvcomp._lane() as again:
+            made = _call(again)
+        gc.collect()
+        assert made() is None and mine.codecs == {}  # every place taken now
+    finally:
+        finish.set()
+        for t in [*others, late_thread]:
+            if t.is_alive():
+                t.join(timeout=30)
 
 
 def test_lanes_belong_to_the_device_current_when_asked(lanes: SimpleNamespace) -> None:
