@@ -200,6 +200,40 @@ def test_pickled_store_is_the_store_and_a_failure_removes_new_arrays_chunks(
     assert _keys(inner) == ["q/c/0", "q/c/1", "q/zarr.json"]
 
 
+def test_a_failed_root_array_write_from_workers_keeps_the_lock_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root array's chunks written through the pickled store (a zarr ``LocalStore``,
+    whose listing shows the writer lock file): the failed write lists the whole store
+    and removes those chunks, but never the lock file, which stays there, held, until
+    the write gives it back."""
+    import pickle
+
+    from xarray_gds.stores import lock
+
+    root = tmp_path / "r.zarr"
+    store = HeldMetadataStore(zarr.storage.LocalStore(root, read_only=False))
+    held = lock.lock_path(root)
+    assert held.exists()
+    there_at_release: list[bool] = []
+    release = lock.FileLock.release
+
+    def spy(self: Any) -> None:
+        there_at_release.append(self.path.exists())
+        release(self)
+
+    monkeypatch.setattr(lock.FileLock, "release", spy)
+    sync(store.set("zarr.json", _buffer(ARRAY_META)))
+    worker = pickle.loads(pickle.dumps(store))
+    sync(worker.set("c/0", _buffer(b"from a worker")))
+    sync(worker.set("c/1", _buffer(b"from a worker")))
+    assert sorted(p.name for p in (root / "c").iterdir()) == ["0", "1"]
+    store.discard()
+    assert there_at_release == [True]
+    assert not held.exists()  # given back
+    assert [p for p in root.rglob("*") if p.is_file()] == []
+
+
 def test_held_metadata_is_served_then_flushed(tmp_path: Path) -> None:
     """Held metadata keys are read, listed and deleted like files, and reach the disk
     only on flush (chunks go to disk at once); copies by ``with_read_only`` share them."""
