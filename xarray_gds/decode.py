@@ -164,7 +164,10 @@ _streams = threading.local()
 
 
 def _copy_stream() -> Any:
-    """This thread's stream for staged copies to the current device."""
+    """This thread's stream for staged copies to the current device, ordered after what
+    the current stream has queued so far (CuPy's pool may hand out, as the copies'
+    destination, memory that kernels queued there still write: a buffer another read
+    just freed)."""
     cp = _device.cupy()
     device = cp.cuda.Device().id
     cached = getattr(_streams, "by_device", None)
@@ -172,7 +175,9 @@ def _copy_stream() -> Any:
         cached = _streams.by_device = {}
     if device not in cached:
         cached[device] = cp.cuda.Stream(non_blocking=True)
-    return cached[device]
+    stream = cached[device]
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    return stream
 
 
 def decode_staged(
@@ -192,10 +197,6 @@ def decode_staged(
     rows = cp.empty((n, nbytes), dtype=np.uint8)
     device = rows.device.id
     stream = _copy_stream()
-    # the copies run on a stream of their own: after what the current stream has queued
-    # (CuPy's pool may have handed out, as rows, memory that kernels queued there still
-    # write: a buffer another read just freed)
-    stream.wait_event(cp.cuda.get_current_stream().record())
     with staging.lease(n * nbytes) as pinned:
         out = pinned.reshape(n, nbytes)
 
@@ -243,10 +244,6 @@ def decode_split(
     rows = cp.empty((n, nbytes), dtype=np.uint8)
     device = rows.device.id
     stream = _copy_stream()
-    # the copies run on a stream of their own: after what the current stream has queued
-    # (CuPy's pool may have handed out, as rows, memory that kernels queued there still
-    # write: a buffer another read just freed)
-    stream.wait_event(cp.cuda.get_current_stream().record())
     with staging.lease(host * nbytes) as pinned:
         out = pinned.reshape(host, nbytes)
 
