@@ -9,8 +9,8 @@ that ``xarray-gds bench --json FILE`` writes.
 The chart has one bar per way of loading: gds-zarr's time against engine="zarr"'s in
 the same run (``seconds["zarr"] / seconds["gds-zarr"]``; where engine="zarr" ran through
 several clients, ``"zarr (obstore)"`` and ``"zarr (fsspec)"``, the faster), on a log
-scale. Pairs with a
-suffix (``"gds-zarr chunks={}"`` against ``"zarr chunks={}"``) get bars of their own.
+scale. Pairs with a suffix (``"gds-zarr chunks={}"`` against ``"zarr chunks={}"``) get
+bars of their own.
 A result with ``"chart": false`` is left out of the chart, not of the table. Each
 result of ``bench --json`` carries what the table shows besides the timings: its
 ``title``, the ``date``, the ``commit`` and the ``command`` that measures it again
