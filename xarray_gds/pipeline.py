@@ -149,7 +149,7 @@ class _WriteScope:
         return self.previous if self.active else None
 
 
-_writes = _WriteScope()
+_scope = _WriteScope()
 
 
 @contextlib.contextmanager
@@ -160,11 +160,11 @@ def writing_to(store: object, levels: str = "host") -> Iterator[None]:
     stores are built as if the context were not there (see :class:`_WriteScope`)."""
     if levels not in _LEVELS:
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
-    _writes.enter(store, levels)
+    _scope.enter(store, levels)
     try:
         yield
     finally:
-        _writes.exit(store)
+        _scope.exit(store)
 
 
 def _key_parts(metadata: Any) -> int:
@@ -222,15 +222,15 @@ class GdsCodecPipeline(CodecPipeline):
     # -- construction -------------------------------------------------------------
     @classmethod
     def from_codecs(cls, codecs: Iterable[Any]) -> Self:
-        previous = _writes.previous_class()
+        previous = _scope.previous_class()
         if previous is not None:  # another array, built while an engine write runs
             return previous.from_codecs(codecs)  # type: ignore[return-value]
         return cls(BatchedCodecPipeline.from_codecs(codecs))
 
     @classmethod
     def from_array_metadata_and_store(cls, array_metadata: Any, store: Any) -> Self:
-        levels = _writes.levels_of(store)
-        if levels is None and _writes.previous_class() is not None:
+        levels = _scope.levels_of(store)
+        if levels is None and _scope.previous_class() is not None:
             raise NotImplementedError  # zarr then builds the previous setting's pipeline
         fallback = _zarr_pipeline(array_metadata)
         if levels is None:  # the path set by the user: every array takes this pipeline

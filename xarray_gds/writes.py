@@ -24,8 +24,7 @@ from zarr.core.common import concurrent_map
 
 from xarray_gds import decode, stores
 from xarray_gds import device as _device
-from xarray_gds.batch import offloaded
-from xarray_gds.codecs import host
+from xarray_gds.batch import offloaded, parallel
 from xarray_gds.codecs.encode import (
     EncodeChain,
     ShardEncode,
@@ -203,7 +202,7 @@ def _store_all(store: Any, keys: list[str], buffers: list[Any]) -> None:
         else:
             store.set_sync(keys[i], buffers[i])
 
-    host.parallel(one, len(keys))
+    parallel(one, len(keys))
 
 
 async def _store_one(byte_setter: Any, buffer: Any) -> None:

@@ -24,7 +24,7 @@ from zarr.abc.store import ByteRequest
 from zarr.core.buffer import Buffer, cpu
 from zarr.storage import LocalStore
 
-from xarray_gds.batch import Fetched, HostBatch, offload
+from xarray_gds.batch import Fetched, HostBatch, offloaded
 from xarray_gds.stores import files as _local
 from xarray_gds.stores.base import Opened, Ranges, Source, WriterLock
 from xarray_gds.stores.generic import StoreSource
@@ -451,7 +451,7 @@ class LocalSource(_LocalWrites):
         """As :meth:`Source.read_end`, with one open, one ``fstat`` and one ``pread`` of
         the file, in the engine's threads."""
         path = str(self.store.resolve(key))
-        return await asyncio.wrap_future(offload(_local.read_end, path, nbytes, at_end))
+        return await offloaded(_local.read_end, path, nbytes, at_end)
 
 
 class DirectorySource(_LocalWrites, StoreSource):
