@@ -341,3 +341,35 @@ def test_shard_truncated_between_its_index_and_its_read_names_the_chunk(
     # the other variables read as zarr reads them
     ref = xr.open_dataset(path, engine="zarr")
     xr.testing.assert_identical(ds.u10.load(), ref.u10.load())
+
+
+def test_a_failed_threaded_dask_write_keeps_what_was_below_a_new_array(
+    tmp_path: Path,
+) -> None:
+    """dask pickles a write's target to name its tasks. A write computed in this process
+    (dask's threads) is no copy for another process: when it fails, what was already
+    below a new array's path stays, and the chunks it wrote go."""
+    import dask
+    import dask.array as da
+    import xarray as xr
+
+    import xarray_gds
+
+    root = tmp_path / "s.zarr"
+    xr.Dataset({"a": (("x",), np.arange(8.0))}).to_zarr(root, zarr_format=3)
+    (root / "p").mkdir()
+    (root / "p" / "notes.txt").write_bytes(b"the user's")
+
+    def boom() -> np.ndarray:
+        raise RuntimeError("boom")
+
+    bad = da.from_delayed(dask.delayed(boom)(), shape=(4,), dtype="f8")
+    good = da.arange(8.0, chunks=4)
+    ds = xr.Dataset({"p": (("x",), good), "q": (("x",), da.concatenate([good[:4], bad]))})
+    with pytest.raises(RuntimeError, match="boom"), dask.config.set(scheduler="threads"):
+        xarray_gds.to_zarr(ds, root, mode="a")
+    assert (root / "p" / "notes.txt").read_bytes() == b"the user's"
+    assert sorted(p.name for p in (root / "p").iterdir()) == ["notes.txt"]
+    xr.testing.assert_identical(
+        xr.open_dataset(root, engine="zarr").load(), xr.Dataset({"a": (("x",), np.arange(8.0))})
+    )

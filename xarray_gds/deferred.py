@@ -84,6 +84,9 @@ class _Write:
         self.running = 0  #: chunk writes and deletes running now
         self.writer: WriterLock | None = None  #: the store's writer lock, until the end
         self.sent = False  #: the store was pickled: chunk writes may run in other processes
+        #: the write's tasks run in this process: a pickle is no copy for another one
+        #: (dask pickles a write's target to name its tasks)
+        self.here = False
 
 
 def _slice(value: Buffer, byte_range: ByteRequest | None) -> bytes:
@@ -520,8 +523,14 @@ class HeldMetadataStore(WrapperStore[Store]):
         the tasks are done. The writer lock, the held documents and the bookkeeping stay
         in this process (see the module for what a failed write removes then)."""
         with self._write.cond:
-            self._write.sent = True
+            self._write.sent = not self._write.here
         return (_same, (self._store,))
+
+    def runs_here(self) -> None:
+        """Say that every task of this write runs in this process (dask's threads, or
+        none): a failed write then removes the chunks it recorded, never by listing."""
+        with self._write.cond:
+            self._write.here = True
 
     def __copy__(self) -> Self:
         return self._with_store(self._store)

@@ -88,10 +88,23 @@ def _write(prepared: xr.Dataset, store: Any, ds: xr.Dataset, kwargs: dict[str, A
         _is_dask(var._data) and not _is_dask(ds.variables[name]._data)
         for name, var in prepared.variables.items()
     )
-    if not made_here or not kwargs.get("compute", True):
+    computed = kwargs.get("compute", True)
+    if isinstance(store, HeldMetadataStore) and computed and (made_here or _local_scheduler()):
+        store.runs_here()
+    if not made_here or not computed:
         return prepared.to_zarr(store, **kwargs)
     delayed = prepared.to_zarr(store, **{**kwargs, "compute": False})
     return delayed.compute(scheduler="threads")
+
+
+def _local_scheduler() -> bool:
+    """Whether dask computes in this process now (its threads or none; not a
+    ``distributed`` client, not its process pool)."""
+    import dask.base
+    import dask.local
+    import dask.threaded
+
+    return dask.base.get_scheduler() in (None, dask.threaded.get, dask.local.get_sync)
 
 
 def _is_dask(data: Any) -> bool:
