@@ -126,7 +126,6 @@ class BatchLoader:
         self._dims = sampling.check_dims(ds, dims)
         sampling.check_counts(batch_size, seed, world_size, rank, prefetch, prefetch_bytes)
         sampling.check_output(ds, output, to, stack)
-        self._ds = ds
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -135,7 +134,6 @@ class BatchLoader:
         self.world_size = int(world_size)
         self.output = output
         self.stack = stack
-        self._to = to
         self._windows, self._offsets = sampling.parse_windows(windows)
         #: the first position of dims[0] a sample starts at, and the samples a dimension
         self._first, self._grid = sampling.sample_grid(ds, self._dims, self._offsets)
