@@ -195,6 +195,7 @@ class RemoteSource(StoreSource):
 
     device_reads = True
     streams = True
+    split_reads = True
 
     @classmethod
     def stream(cls, sources: Sequence[Any], locations: list[Any]) -> HostStream:
