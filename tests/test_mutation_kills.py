@@ -885,3 +885,71 @@ def test_a_batch_of_two_store_kinds_reads_each_through_its_own_kind(
     else:
         got = stores.read(picked, locations, False, None)
     assert [np.asarray(g).tobytes() for g in got] == want
+
+
+@pytest.mark.parametrize(
+    ("remote", "on_device", "parts", "want"),
+    [
+        (True, True, None, 250),  # a device read of remote objects: four parts
+        (True, False, None, 1000),  # the host streams remote chunks already: one part
+        (False, True, None, 1000),  # local files: one nvCOMP call over all chunks
+        (True, True, 1, 1000),  # pipeline_parts set wins over the store's default
+        (False, True, 5, 200),
+    ],
+)
+def test_part_chunks_of_a_store(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    remote: bool,
+    on_device: bool,
+    parts: int | None,
+    want: int,
+) -> None:
+    """decode ``NETWORK_PARTS if split else 1`` and ``on_device and ... split_reads``:
+    the chunks a part holds follow the source of the store read (remote objects split,
+    local files not) and the side, and a set ``pipeline_parts`` wins."""
+    from obstore.store import HTTPStore
+    from zarr.storage import LocalStore, ObjectStore
+
+    from xarray_gds import decode
+
+    monkeypatch.setattr(decode, "budget", lambda on_device: 1 << 40)  # no device here
+    store: Any = (
+        ObjectStore(HTTPStore.from_url("http://127.0.0.1:9/s.zarr"), read_only=True)
+        if remote
+        else LocalStore(tmp_path)
+    )
+    settings = {} if parts is None else {"xarray_gds.pipeline_parts": parts}
+    with zarr.config.set(settings):
+        assert decode.part_chunks(1000, 1 << 20, on_device, store) == want
+        assert decode.part_chunks(1000, 1 << 20, on_device) == (1000 if parts is None else want)
+
+
+@pytest.mark.parametrize("route", ["box", "pipeline", "shards"])
+def test_reads_size_their_parts_by_their_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, route: str
+) -> None:
+    """region / pipeline / shards ``part_chunks(..., store)`` -> ``part_chunks(...)``: every
+    read path tells the part sizing which store it reads (a remote store's device reads
+    are split by it), and reads what zarr-python reads."""
+    from xarray_gds import decode
+
+    values = np.arange(8 * 6, dtype="f4").reshape(8, 6)
+    enc: dict[str, Any] = {"chunks": (2, 6)}
+    if route == "shards":
+        enc["shards"] = (4, 6)
+    path = tmp_path / "s.zarr"
+    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": enc})
+    seen: list[Any] = []
+    real = decode.part_chunks
+
+    def spy(n: int, nbytes: int, on_device: bool, store: Any = None) -> int:
+        seen.append(store)
+        return real(n, nbytes, on_device, store)
+
+    monkeypatch.setattr(decode, "part_chunks", spy)
+    ours, ref = open_both(path, "cpu")
+    pick = {"r": slice(1, 7, 2)} if route == "pipeline" else {}
+    np.testing.assert_array_equal(ours["v"][pick].values, ref["v"][pick].values)
+    assert seen, "no read sized its parts"
+    assert all(s is not None for s in seen), seen
