@@ -195,3 +195,98 @@ def test_outer_keys_without_arrays_read_as_boxes(
     assert not boxes
     want = _reference(v3_store, (slice(None),) * 3)[np.ix_([0, 3, 9], range(9), range(2, 8))]
     np.testing.assert_array_equal(_device.to_host(got), want)
+
+
+# -- whole chunks decoded straight into the output (host, streamed) ----------------
+
+_WHOLE_LAYOUTS = {
+    # name: (zarr format, dtype, chunks, create_array keywords): array (7, 16, 8)
+    "v3-zstd": (3, "<f4", (2, 16, 8), {}),
+    "v3-raw": (3, "<i4", (2, 16, 8), {"compressors": None}),
+    "v3-big-endian": (3, "<f4", (2, 16, 8), {"endian": "big"}),
+    "v3-transposed": (3, "<f4", (2, 16, 8), {"order": "F"}),
+    "v2-shuffle": (2, "<f4", (2, 16, 8), {"filters": "shuffle"}),
+    "v3-half-rows": (3, "<f4", (2, 8, 8), {}),  # whole chunks, not contiguous in the box
+}
+
+
+def _whole_store(path: Path, layout: str) -> tuple[Path, int]:
+    """A ``(7, 16, 8)`` array ``v`` of ``layout`` with chunk ``(1, 0, 0)`` missing, and
+    how many of its chunks lie whole and contiguous in a read of it all."""
+    import numcodecs
+
+    fmt, dtype, chunks, extra = _WHOLE_LAYOUTS[layout]
+    kwargs: dict[str, Any] = dict(extra)
+    if kwargs.get("filters") == "shuffle":
+        kwargs["filters"] = [numcodecs.Shuffle(elementsize=4)]
+        kwargs["compressors"] = [numcodecs.Zstd(level=1)]
+    if kwargs.pop("endian", None) == "big":
+        kwargs["serializer"] = zarr.codecs.BytesCodec(endian="big")
+    if kwargs.pop("order", None) == "F":
+        if fmt == 3:
+            kwargs["serializer"] = "auto"
+            kwargs["filters"] = [zarr.codecs.TransposeCodec(order=(2, 1, 0))]
+        else:
+            kwargs["order"] = "F"
+    group = zarr.open_group(path, mode="w", zarr_format=fmt)
+    names = ("t", "y", "x")
+    if fmt == 3:
+        kwargs["dimension_names"] = names
+    else:
+        kwargs["attributes"] = {"_ARRAY_DIMENSIONS": list(names)}
+    array = group.create_array("v", shape=(7, 16, 8), chunks=chunks, dtype=dtype, **kwargs)
+    values = np.arange(7 * 16 * 8).reshape(7, 16, 8).astype(dtype)
+    array[...] = values
+    key = array.metadata.encode_chunk_key((1, 0, 0))
+    (path / "v" / key).unlink()
+    whole = 2 if layout in ("v3-zstd", "v3-raw") else 0  # chunks 0 and 2; 3 is an edge
+    return path, whole
+
+
+@pytest.mark.parametrize("layout", list(_WHOLE_LAYOUTS))
+@pytest.mark.parametrize(
+    "pick",
+    [
+        {},
+        {"t": slice(2, 6)},  # whole chunks 1 and 2
+        {"t": slice(1, 5)},  # every chunk cut along t
+        {"t": 4},
+        {"x": slice(1, 7)},  # cut along x
+    ],
+    ids=["all", "rows-2-6", "rows-1-5", "row-4", "x-1-7"],
+)
+def test_whole_chunks_decode_into_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, pick: dict[str, Any]
+) -> None:
+    """Host reads of local chunks, streamed: a chunk that fills a contiguous part of the
+    output whole, stored as its values lie (no filter, native byte order, C order) is
+    decoded into the output; every other chunk (a filter, big-endian, transposed, cut
+    by the selection, not contiguous) is decoded and copied. Values as engine="zarr"
+    reads them, the missing chunk the fill value."""
+    import xarray as xr
+
+    from xarray_gds import coalesce
+
+    monkeypatch.setattr(coalesce, "STREAM_CHUNK", 0)
+    root, whole = _whole_store(tmp_path / "w.zarr", layout)
+    into: list[int] = []
+    real = decode.decode_host
+
+    def spy(chain: Any, chunks: Any, keys: Any, out: Any = None, done: Any = None) -> Any:
+        if out is not None:
+            into.append(len(chunks))
+        return real(chain, chunks, keys, out, done)
+
+    monkeypatch.setattr(decode, "decode_host", spy)
+    ours = xr.open_dataset(root, engine="gds-zarr", device="cpu", consolidated=False)
+    ref = xr.open_dataset(root, engine="zarr", consolidated=False)
+    got = ours["v"].isel(pick).values
+    assert type(got) is np.ndarray
+    np.testing.assert_array_equal(got, ref["v"].isel(pick).values)
+    assert got.dtype == ref["v"].dtype
+    if not pick:
+        assert sum(into) == whole, (layout, into)
+    elif pick == {"t": slice(2, 6)}:
+        assert sum(into) == (1 if whole else 0), (layout, into)  # chunk 1 is missing
+    else:
+        assert sum(into) == 0, (layout, pick, into)

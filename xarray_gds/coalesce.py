@@ -401,9 +401,15 @@ def _serve_streamed(group: list[_Asked]) -> None:
             raw = reads.get(t)
             if raw is None:  # a missing chunk: the fill value
                 return
-            _, chunk = decode.decode_fetched(r.chain, [raw], decode.Picked(r.keys, [j]), False)
-            assert r.sink is not None
-            r.sink(j, chunk[0])
+            keys = decode.Picked(r.keys, [j])
+            target = getattr(r.sink, "target", None)
+            into = None if target is None else target(j)
+            if into is not None:  # decoded straight into the output: no copy, no temporary
+                decode.decode_host(r.chain, [raw], keys, out=into.reshape(1, -1))
+            else:
+                _, chunk = decode.decode_fetched(r.chain, [raw], keys, False)
+                assert r.sink is not None
+                r.sink(j, chunk[0])
             found[n][j] = True
         except Exception as err:  # the request's, raised in the thread that asked
             errors[n] = err

@@ -168,8 +168,7 @@ class _Planned:
         such reads, :func:`xarray_gds.coalesce._serve_streamed`); None on the device."""
         if self.on_device:
             return None
-        out, reader = self.out, self.reader
-        return lambda k, chunk: reader.place_one(out, 0, k, chunk)
+        return _Placer(self.out, self.reader)
 
     def request(self, r0: int, r1: int, sink: Sink | None = None) -> ReadRequest:
         """The engine's request for the chunks of rows ``r0:r1`` of the box."""
@@ -302,6 +301,29 @@ class _Reader:
         dst, src = self._where(r0, k)
         out[dst] = chunk[src]
 
+    def target(self, out: np.ndarray, r0: int, k: int) -> np.ndarray | None:
+        """The bytes of ``out`` that chunk ``k`` of the rows from ``r0`` on fills whole,
+        as one flat ``uint8`` view a host decoder may write the chunk's decoded bytes
+        into; ``None`` where those bytes are not the values as they lie in ``out`` (a
+        filter, another byte order or dtype, a transposed layout), the chunk is cut by
+        the box's edge, or its part of ``out`` is not contiguous."""
+        chain = self.chain
+        ndim = len(chain.chunk_shape)
+        # out is in native byte order: a chain of another order has another dtype
+        if (
+            chain.filters
+            or out.dtype != chain.dtype
+            or chain.stored_order not in ((), tuple(range(ndim)))
+        ):
+            return None
+        dst, src = self._where(r0, k)
+        if any(s.stop - s.start != c for s, c in zip(src, chain.chunk_shape, strict=True)):
+            return None
+        view = out[dst]
+        if not view.flags.c_contiguous:
+            return None
+        return view.reshape(-1).view(np.uint8)
+
     def place(self, out: Any, r0: int, r1: int, decoded: Decoded) -> None:
         """Copy the part of the box that the decoded rows ``r0:r1`` of chunks hold into
         ``out`` (:func:`xarray_gds.place.place`); ``decoded`` is what
@@ -335,3 +357,19 @@ class _Reader:
             self.on_device,
             tiling=tiling,
         )
+
+
+class _Placer:
+    """The sink of a host box read in one part (see :data:`xarray_gds.request.Sink`):
+    called with a decoded chunk, it places the chunk's part of the box into the output;
+    :meth:`target` offers the output's own bytes to decode a whole chunk into."""
+
+    def __init__(self, out: np.ndarray, reader: _Reader) -> None:
+        self.out = out
+        self.reader = reader
+
+    def __call__(self, k: int, chunk: Any) -> None:
+        self.reader.place_one(self.out, 0, k, chunk)
+
+    def target(self, k: int) -> np.ndarray | None:
+        return self.reader.target(self.out, 0, k)

@@ -18,7 +18,11 @@ from xarray_gds.codecs import DecodeChain
 
 __all__ = ["ByteRanges", "Decoded", "ReadRequest", "Sink"]
 
-#: ``sink(i, chunk)`` takes decoded chunk ``i`` of a request as soon as it is decoded
+#: ``sink(i, chunk)`` takes decoded chunk ``i`` of a request as soon as it is decoded.
+#: A sink may also have ``target(i)``: the flat ``uint8`` bytes of its output that chunk
+#: ``i`` fills whole, laid out as the chunk decodes (no filter, byte swap or transpose
+#: between), for the engine to decode the chunk straight into; ``None`` where there are
+#: none, and the chunk is decoded and handed to ``sink`` then.
 Sink = Callable[[int, Any], None]
 
 #: What a request gets back: the indices (into its keys) of the chunks that exist, and
