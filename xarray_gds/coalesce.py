@@ -382,8 +382,10 @@ def _serve_streamed(group: list[_Asked]) -> None:
     batch, and a chunk's bytes are still in the cache for the next step). On the
     project's 2-core machine, 24 chunks of 4 MiB (zarr's default compressor): 47-49 ms
     this way, 63-68 ms reading all, then decoding all, then placing all
-    (engine="zarr": 62-65 ms). A request's first failing chunk is its error; the other
-    requests are served."""
+    (engine="zarr": 62-65 ms). A chunk its sink offers a ``target`` for (one that fills
+    a contiguous part of the output whole, stored as its values lie) is decoded straight
+    into the output: no temporary to allocate, no copy. A request's first failing chunk
+    is its error; the other requests are served."""
     tasks = [(n, j) for n, r in enumerate(group) for j in range(len(r.paths))]
     found = [np.zeros(len(r.paths), dtype=bool) for r in group]
     errors: list[BaseException | None] = [None] * len(group)
