@@ -28,6 +28,20 @@ if [ -z "$binary" ]; then
   echo "gpu-nginx.sh: no nginx on this machine (apt-get install nginx)" >&2
   exit 1
 fi
+home=$(cd "$(dirname "$binary")" && pwd)
+if [ -f "$home/nginx.bin" ] && [ -d "$home/lib" ] && [ "$(head -c 2 "$binary")" = "#!" ]; then
+  # the nginx on PATH is itself such a bundle (as on a GPU machine that runs the
+  # tests with one): copy it whole
+  mkdir -p "$dir"
+  if [ "$(cd "$dir" && pwd)" != "$home" ]; then
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    cp -R "$home/." "$dir/"
+  fi
+  "$dir/nginx" -v
+  echo "$dir: nginx and $(ls "$dir/lib" | wc -l) libraries, $(du -sh "$dir" | cut -f1)"
+  exit 0
+fi
 rm -rf "$dir"
 mkdir -p "$dir/lib"
 cp "$binary" "$dir/nginx.bin"

@@ -305,3 +305,29 @@ def test_gpu_nginx_bundle_serves_with_its_own_libraries(
         with urllib.request.urlopen(request, timeout=10) as got:
             assert got.status == 206 and got.read() == b"2345"
     assert subprocess.run([str(bundle / "nginx"), "-v"], capture_output=True).returncode == 0
+
+
+def test_gpu_nginx_bundles_a_bundle_on_path(tmp_path: Path) -> None:
+    """scripts/gpu-nginx.sh where the nginx first on PATH is itself its bundle (a GPU
+    machine running the tests with one): the bundle is copied whole and runs; bundling
+    it into its own folder leaves it as it was."""
+    from tests._nginx import require_nginx
+
+    require_nginx()
+    script = str(ROOT / "scripts" / "gpu-nginx.sh")
+    first = tmp_path / "first"
+    made = subprocess.run(["bash", script, "--dir", str(first)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, "PATH": f"{first}{os.pathsep}{os.environ['PATH']}"}
+    for target in (tmp_path / "second", first):
+        done = subprocess.run(
+            ["bash", script, "--dir", str(target)], capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        assert "nginx version: nginx/" in done.stderr
+        assert sorted(p.name for p in (target / "lib").iterdir()) == sorted(
+            p.name for p in (first / "lib").iterdir()
+        )
+        assert (target / "nginx.bin").read_bytes() == (first / "nginx.bin").read_bytes()
+        ran = subprocess.run([str(target / "nginx"), "-v"], capture_output=True, text=True)
+        assert ran.returncode == 0 and "nginx version" in ran.stderr
