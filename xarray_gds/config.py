@@ -63,13 +63,7 @@ KNOBS: dict[str, Knob] = {
             "decoded bytes per batch (4 GiB on the GPU, 1 GiB host)",
             minimum=1,
         ),
-        Knob(
-            "pipeline_parts",
-            int,
-            None,
-            "parts a read is split into at least (1; 4 for device reads of remote objects)",
-            minimum=1,
-        ),
+        Knob("pipeline_parts", int, 1, "parts a read is split into at least", minimum=1),
         Knob(
             "host_threads",
             int,

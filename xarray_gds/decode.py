@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds import config, stores
+from xarray_gds import config
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, start
 from xarray_gds.codecs import DecodeChain, host
@@ -56,37 +56,26 @@ def budget(on_device: bool) -> int:
     return budget
 
 
-def pipeline_parts(default: int = 1) -> int:
-    """Parts a read is split into at least (``XARRAY_GDS_PIPELINE_PARTS``; ``default``,
-    1 unless the store's reads wait on a network, where it is unset).
+def pipeline_parts() -> int:
+    """Parts a read is split into at least (``XARRAY_GDS_PIPELINE_PARTS``, default 1).
 
     Part ``k + 1`` is always read while part ``k`` decodes. Measured on an H200, one
-    nvCOMP call over all chunks beat any split into overlapped parts for local files
-    (its decode is the bottleneck, and fewer chunks per call use the GPU less well), so
-    by default such a read is split only when it exceeds the batch budget
-    (:func:`batch_bytes`). A device read from a store whose source has ``split_reads``
-    (remote objects, whose reads take longer than their decode) is split into
-    :data:`NETWORK_PARTS` parts.
+    nvCOMP call over all chunks beat any split into overlapped parts (its decode is
+    the bottleneck, and fewer chunks per call use the GPU less well), so by default
+    a read is split only when it exceeds the batch budget (:func:`batch_bytes`).
     """
-    return max(1, int(config.get("pipeline_parts", default)))
+    return max(1, int(config.get("pipeline_parts")))
 
 
 #: Reads smaller than this are not split: a decode call needs many chunks to fill the GPU.
 MIN_PART_BYTES = 64 << 20
 
-#: The parts a device read is split into at least when its store's reads wait on a
-#: network (a source with ``split_reads``) and ``pipeline_parts`` is unset.
-NETWORK_PARTS = 4
 
-
-def part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool, store: Any = None) -> int:
-    """Chunks per part of a read of ``n_chunks`` chunks of ``chunk_nbytes`` decoded bytes
-    (from ``store``, a zarr Store, when known: see :func:`pipeline_parts`)."""
+def part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
+    """Chunks per part of a read of ``n_chunks`` chunks of ``chunk_nbytes`` decoded bytes."""
     chunk_nbytes = max(1, chunk_nbytes)
     total = n_chunks * chunk_nbytes
-    split = on_device and store is not None and stores.source_for(store).split_reads
-    parts = pipeline_parts(NETWORK_PARTS if split else 1)
-    target = min(budget(on_device), max(MIN_PART_BYTES, -(-total // parts)))
+    target = min(budget(on_device), max(MIN_PART_BYTES, -(-total // pipeline_parts())))
     return max(1, target // chunk_nbytes)
 
 

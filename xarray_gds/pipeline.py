@@ -344,8 +344,8 @@ class GdsCodecPipeline(CodecPipeline):
         assert isinstance(chain, DecodeChain)
         # the read engine's loop (xarray_gds.coalesce): joined with other threads' reads,
         # routed by cost, part k + 1 read while part k decodes
+        parts = split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
         store = batch[0][0].store
-        parts = split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device, store))
         requests = [
             ReadRequest(store, chain, [bg.path for bg, *_ in part], on_device) for part in parts
         ]

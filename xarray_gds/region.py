@@ -204,7 +204,7 @@ def _plan(
     if box is None:
         return None
     row = math.prod(box.grid[1:])
-    rows_per_part = decode.part_chunks(row * box.grid[0], chain.nbytes, on_device, store) // row
+    rows_per_part = decode.part_chunks(row * box.grid[0], chain.nbytes, on_device) // row
     if rows_per_part < 1:
         return None  # zarr's path splits finer than a row of chunks
     path = asynchronous.store_path.path

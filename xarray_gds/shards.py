@@ -112,8 +112,8 @@ async def read_shards(
     routed by cost, part k + 1 read while part k decodes), each part's shards
     assembled as it comes."""
     indexes = list(await asyncio.gather(*(_shard_index(chain, bg) for bg, *_ in batch)))
+    parts = split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device))
     store = batch[0][0].store
-    parts = split(batch, decode.part_chunks(len(batch), chain.nbytes, on_device, store))
     plans: list[tuple[list[_Index | None], _ShardPlan]] = []
     requests: list[ReadRequest] = []
     at = 0

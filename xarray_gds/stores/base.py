@@ -109,9 +109,6 @@ class Source(abc.ABC):
     ``streams``
         A whole chunk read on the host is cheap enough to read, decode and place chunk
         after chunk (:meth:`read_one`, one thread each).
-    ``split_reads``
-        Its reads wait on a network: a device read of many chunks is split into parts
-        (:data:`xarray_gds.decode.NETWORK_PARTS`), part k + 1 read while part k decodes.
     ``writes``
         :func:`xarray_gds.to_zarr` writes it, metadata held until the chunks are in.
     ``commits``
@@ -135,7 +132,6 @@ class Source(abc.ABC):
     ranged_reads: ClassVar[bool] = False
     sizes: ClassVar[bool] = False
     streams: ClassVar[bool] = False
-    split_reads: ClassVar[bool] = False
     writes: ClassVar[bool] = False
     commits: ClassVar[bool] = False
     locking: ClassVar[bool] = False

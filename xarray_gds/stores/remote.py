@@ -195,7 +195,6 @@ class RemoteSource(StoreSource):
 
     device_reads = True
     streams = True
-    split_reads = True
 
     @classmethod
     def stream(cls, sources: Sequence[Any], locations: list[Any]) -> HostStream:
