@@ -303,21 +303,11 @@ class _Reader:
 
     def target(self, out: np.ndarray, r0: int, k: int) -> np.ndarray | None:
         """The bytes of ``out`` that chunk ``k`` of the rows from ``r0`` on fills whole,
-        as one flat ``uint8`` view a host decoder may write the chunk's decoded bytes
-        into; ``None`` where those bytes are not the values as they lie in ``out`` (a
-        filter, another byte order or dtype, a transposed layout), the chunk is cut by
-        the box's edge, or its part of ``out`` is not contiguous."""
-        chain = self.chain
-        ndim = len(chain.chunk_shape)
-        # out is in native byte order: a chain of another order has another dtype
-        if (
-            chain.filters
-            or out.dtype != chain.dtype
-            or chain.stored_order not in ((), tuple(range(ndim)))
-        ):
-            return None
+        as one flat ``uint8`` view; ``None`` where the box's edge cuts the chunk or its
+        part of ``out`` is not contiguous. (Whether the decoded bytes may go there as
+        they are is the chain's :attr:`~xarray_gds.codecs.DecodeChain.plain`.)"""
         dst, src = self._where(r0, k)
-        if any(s.stop - s.start != c for s, c in zip(src, chain.chunk_shape, strict=True)):
+        if any(s.stop - s.start != c for s, c in zip(src, self.chain.chunk_shape, strict=True)):
             return None
         view = out[dst]
         if not view.flags.c_contiguous:
@@ -365,11 +355,12 @@ class _Placer:
     :meth:`target` offers the output's own bytes to decode a whole chunk into."""
 
     def __init__(self, out: np.ndarray, reader: _Reader) -> None:
-        self.out = out
+        self.out = out  # the chain's dtype in native order (see _plan)
         self.reader = reader
+        self.plain = reader.chain.plain  # once a read, not once a chunk
 
     def __call__(self, k: int, chunk: Any) -> None:
         self.reader.place_one(self.out, 0, k, chunk)
 
     def target(self, k: int) -> np.ndarray | None:
-        return self.reader.target(self.out, 0, k)
+        return self.reader.target(self.out, 0, k) if self.plain else None

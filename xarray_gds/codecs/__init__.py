@@ -113,6 +113,17 @@ class DecodeChain:
                 return f"filter {type(f).__name__} has no identical GPU implementation"
         return ""
 
+    @property
+    def plain(self) -> bool:
+        """True when a chunk's decoded bytes are its values as a C-order array of
+        ``dtype`` in native order lays them out: no filter, byte swap or transpose
+        between (:meth:`finish` is a view), so a chunk may be decoded straight into its
+        place in an output array."""
+        native = self.dtype.isnative or self.dtype.itemsize == 1
+        return (
+            native and not self.filters and self.stored_order == tuple(range(len(self.chunk_shape)))
+        )
+
     def finish(self, data: Any, xp: Any) -> Any:
         """Bytes ``(n, nbytes)`` to the chunk arrays ``(n, *chunk_shape)``, native order."""
         n = data.shape[0]
