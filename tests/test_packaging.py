@@ -331,3 +331,30 @@ def test_gpu_nginx_bundles_a_bundle_on_path(tmp_path: Path) -> None:
         assert (target / "nginx.bin").read_bytes() == (first / "nginx.bin").read_bytes()
         ran = subprocess.run([str(target / "nginx"), "-v"], capture_output=True, text=True)
         assert ran.returncode == 0 and "nginx version" in ran.stderr
+
+
+@pytest.mark.parametrize("missing", ["nginx.bin", "lib"])
+def test_gpu_nginx_takes_no_half_bundle_for_a_bundle(tmp_path: Path, missing: str) -> None:
+    """scripts/gpu-nginx.sh: a wrapper script on PATH without both the binary and the
+    libraries of a bundle beside it is not copied as one: the script fails (it is no
+    nginx binary either) and never leaves a bundle without its binary."""
+    half = tmp_path / "half"
+    half.mkdir()
+    if missing != "lib":
+        (half / "lib").mkdir()
+    if missing != "nginx.bin":
+        (half / "nginx.bin").write_bytes(b"")
+    wrapper = half / "nginx"
+    wrapper.write_text("#!/bin/sh\nexit 0\n")
+    wrapper.chmod(0o755)
+    target = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-nginx.sh"), "--dir", str(target)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{half}{os.pathsep}{os.environ['PATH']}"},
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "no dynamic loader" in done.stderr
+    assert not (target / "nginx").exists()

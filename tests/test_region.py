@@ -290,3 +290,51 @@ def test_whole_chunks_decode_into_the_output(
         assert sum(into) == (1 if whole else 0), (layout, into)  # chunk 1 is missing
     else:
         assert sum(into) == 0, (layout, pick, into)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "serializer", "plain"),
+    [
+        ("<f4", None, True),
+        ("<i2", zarr.codecs.BytesCodec(endian="big"), False),  # stored big-endian
+        ("<f4", zarr.codecs.BytesCodec(endian="big"), False),
+        ("u1", None, True),  # one byte: no byte order
+    ],
+)
+def test_plain_chains(tmp_path: Path, dtype: str, serializer: Any, plain: bool) -> None:
+    """DecodeChain.plain: decoded bytes lie as the values only for a native byte order,
+    no filter and C order (the filter and transposed cases are the layouts above)."""
+    kwargs: dict[str, Any] = {} if serializer is None else {"serializer": serializer}
+    group = zarr.open_group(tmp_path / "p.zarr", mode="w", zarr_format=3)
+    group.create_array("v", shape=(4, 4), chunks=(2, 4), dtype=dtype, **kwargs)
+    chain = _open(tmp_path / "p.zarr", "v").async_array.codec_pipeline.chain
+    assert isinstance(chain, DecodeChain)
+    assert chain.plain is plain
+    for layout, expected in (("v3-transposed", False), ("v2-shuffle", False)):
+        root, _ = _whole_store(tmp_path / f"{layout}.zarr", layout)
+        assert _open(root, "v").async_array.codec_pipeline.chain.plain is expected
+
+
+def test_placer_targets_are_flat_views_of_whole_chunks(tmp_path: Path) -> None:
+    """A host box read's sink offers, for a whole chunk in a contiguous part of the
+    output, that part as one flat uint8 view of the output itself; nothing for a chunk
+    the box's edge cuts, one whose part is not contiguous, or a chain that is not plain."""
+    from xarray_gds import region
+
+    def sink(layout: str) -> Any:
+        root, _ = _whole_store(tmp_path / f"{layout}.zarr", layout)
+        planned = region._plan(_open(root, "v"), (slice(None),) * 3, "cpu")
+        assert planned is not None
+        return planned.sink()
+
+    placer = sink("v3-zstd")
+    out = placer.out
+    out[...] = 0  # (a new output holds whatever its memory held)
+    got = placer.target(1)  # rows 2-3
+    assert got is not None
+    assert got.ndim == 1 and got.dtype == np.uint8 and got.nbytes == 2 * 16 * 8 * 4
+    got[:] = 7
+    assert np.all(out[2:4].view(np.uint8) == 7) and not np.any(out[:2].view(np.uint8) == 7)
+    assert placer.target(3) is None  # row 6 only: the edge cuts it
+    assert sink("v3-half-rows").target(0) is None  # half of each row of the output
+    assert sink("v3-big-endian").target(0) is None  # not plain

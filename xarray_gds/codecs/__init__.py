@@ -119,10 +119,8 @@ class DecodeChain:
         ``dtype`` in native order lays them out: no filter, byte swap or transpose
         between (:meth:`finish` is a view), so a chunk may be decoded straight into its
         place in an output array."""
-        native = self.dtype.isnative or self.dtype.itemsize == 1
-        return (
-            native and not self.filters and self.stored_order == tuple(range(len(self.chunk_shape)))
-        )
+        in_order = self.stored_order == tuple(range(len(self.chunk_shape)))
+        return self.dtype.isnative and not self.filters and in_order  # 1-byte: native
 
     def finish(self, data: Any, xp: Any) -> Any:
         """Bytes ``(n, nbytes)`` to the chunk arrays ``(n, *chunk_shape)``, native order."""
