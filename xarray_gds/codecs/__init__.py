@@ -114,13 +114,19 @@ class DecodeChain:
         return ""
 
     @property
+    def transposed(self) -> bool:
+        """True when chunks are stored in an axis order other than C order
+        (``stored_order``): :meth:`finish` transposes them back."""
+        return self.stored_order != tuple(range(len(self.chunk_shape)))
+
+    @property
     def plain(self) -> bool:
         """True when a chunk's decoded bytes are its values as a C-order array of
         ``dtype`` in native order lays them out: no filter, byte swap or transpose
         between (:meth:`finish` is a view), so a chunk may be decoded straight into its
         place in an output array."""
-        in_order = self.stored_order == tuple(range(len(self.chunk_shape)))
-        return self.dtype.isnative and not self.filters and in_order  # 1-byte: native
+        # numpy reports every 1-byte dtype as native: no byte order to check there
+        return self.dtype.isnative and not self.filters and not self.transposed
 
     def finish(self, data: Any, xp: Any) -> Any:
         """Bytes ``(n, nbytes)`` to the chunk arrays ``(n, *chunk_shape)``, native order."""
@@ -134,7 +140,7 @@ class DecodeChain:
             dtype = dtype.newbyteorder("=")
         stored_shape = tuple(self.chunk_shape[i] for i in self.stored_order)
         values = data.view(dtype).reshape((n, *stored_shape))
-        if self.stored_order != tuple(range(len(self.chunk_shape))):
+        if self.transposed:
             inverse = np.argsort(self.stored_order)
             values = values.transpose((0, *(1 + int(i) for i in inverse)))
         return values
