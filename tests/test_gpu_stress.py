@@ -1,0 +1,250 @@
+"""Many threads reading and writing at once on a busy card: a missing stream ordering
+shows up as wrong values.
+
+A quiet card hides a missing synchronisation: the work a stream should have waited for
+has long finished by the time the stream runs. These tests make the card busy in the
+way that exposes one. Before each read or write, a thread queues a spin kernel on its
+current stream (the legacy default stream, or a non-blocking stream of its own, as a
+PyTorch user's code has), then a decoy: a buffer of the size the read allocates,
+filled after the spin and freed at once. CuPy's pool hands that block to the read's
+next allocation of the same size while the fill is still queued. So
+
+- a side stream (nvCOMP's lane, the staged copies' stream) that does not wait for the
+  current stream writes its output before the fill lands on it: the fill wins;
+- a stream's work that the host does not wait for before handing a pinned buffer
+  back, or before the current stream uses the result, is still waiting behind the
+  spin: the next lease overwrites the buffer, or the result is read half written;
+- an encode that does not wait for the current stream encodes the values before the
+  kernel that computes them has run.
+
+Every value read is compared with what ``engine="zarr"`` reads (or, for writes, with
+the values written); the CuPy pool is capped small for the test so that freed blocks
+come back at once. ``scripts/ordering-mutants.py`` removes each ordering line of the
+installed package in turn and runs these tests: each removal must fail them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+import zarr.codecs as zc
+
+import xarray_gds
+
+pytestmark = pytest.mark.gpu
+
+THREADS = 12
+ROUNDS = 6
+#: the CuPy pool's cap during the test: small, so freed blocks are reused at once
+POOL_LIMIT = 384 << 20
+SHAPE = (16, 128, 256)  # float32: 128 KiB a time step
+CHUNKS = (2, 128, 256)  # 256 KiB chunks, 8 of them
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+#: (zarr format, encoding of variable "a") of the stores read and written
+CODECS: dict[str, tuple[int, dict[str, Any]]] = {
+    "zstd-v3": (3, {"compressors": [zc.ZstdCodec(level=1)]}),
+    "gzip-v3": (3, {"compressors": [zc.GzipCodec(level=1)]}),
+    "sharded-crc-v3": (
+        3,
+        {
+            "chunks": (1, 64, 256),
+            "shards": CHUNKS,
+            "compressors": [zc.ZstdCodec(level=1)],
+        },
+    ),
+    "blosc-lz4-v2": (
+        2,
+        {"compressors": [numcodecs.Blosc(cname="lz4", shuffle=numcodecs.Blosc.SHUFFLE)]},
+    ),
+    "lz4-v2": (2, {"compressors": [numcodecs.LZ4()]}),
+    "zlib-v2": (2, {"compressors": [numcodecs.Zlib(level=1)]}),
+}
+
+#: settings of each wave: every thread of a wave reads and writes under them
+WAVES: dict[str, dict[str, Any]] = {
+    "gpu-kvikio": {"xarray_gds.route": "gpu", "xarray_gds.small_read": 0},
+    "gpu-staged-reads": {"xarray_gds.route": "gpu", "xarray_gds.small_read": 1 << 30},
+    "host-staged-decode": {"xarray_gds.route": "host"},
+    "split": {"xarray_gds.route": "gpu", "xarray_gds.split": "on"},
+}
+
+
+def _values(seed: int) -> np.ndarray:
+    """Compressible, distinct values: a smooth field plus rounded noise."""
+    rng = np.random.default_rng(seed)
+    t, y, x = np.meshgrid(*(np.arange(n, dtype=np.float32) for n in SHAPE), indexing="ij")
+    field = 250 + 0.5 * t + np.sin(y / 9 + seed) * 10 + np.cos(x / 13) * 5
+    return (field + rng.integers(0, 8, SHAPE) / 4).astype(np.float32)
+
+
+def _dataset(values: Any, codec: str) -> tuple[xr.Dataset, dict[str, Any], int]:
+    zarr_format, enc = CODECS[codec]
+    ds = xr.Dataset({"a": (("time", "y", "x"), values)})
+    return ds, {"a": {"chunks": CHUNKS, **enc}}, zarr_format
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray]]:
+    """One store a codec, with what engine="zarr" reads from it."""
+    root = tmp_path_factory.mktemp("stress")
+    out = {}
+    for i, codec in enumerate(CODECS):
+        ds, encoding, zarr_format = _dataset(_values(i), codec)
+        path = root / f"{codec}.zarr"
+        ds.to_zarr(path, encoding=encoding, zarr_format=zarr_format, mode="w")
+        expected = xr.open_dataset(path, engine="zarr").a.values
+        out[codec] = (path, expected)
+    return out
+
+
+@pytest.fixture
+def busy_card() -> Iterator[Callable[[int], None]]:
+    """``busy(nbytes)``: a spin kernel, then a decoy block of ``nbytes`` filled and
+    freed, on the current stream; the CuPy pool capped at POOL_LIMIT meanwhile."""
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    limit = pool.get_limit()
+    pool.free_all_blocks()
+    pool.set_limit(size=POOL_LIMIT)
+    spin = cp.RawKernel(_SPIN, "spin")
+    rate = cp.cuda.Device().attributes["ClockRate"] * 1000  # cycles a second
+    rng = np.random.default_rng(0)
+    lock = threading.Lock()
+
+    def busy(nbytes: int) -> None:
+        with lock:
+            seconds = float(rng.uniform(0.0005, 0.004))
+        spin((1,), (1,), (np.int64(seconds * rate),))
+        decoy = cp.empty(nbytes, dtype=cp.uint8)
+        decoy.fill(0xFF)  # NaN where read as float32: never a value of the stores
+        del decoy
+
+    try:
+        yield busy
+    finally:
+        cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        pool.set_limit(size=limit)
+
+
+def _on_stream(own_stream: bool) -> Any:
+    import contextlib
+
+    import cupy as cp
+
+    return cp.cuda.Stream(non_blocking=True) if own_stream else contextlib.nullcontext()
+
+
+def _read(path: Path, expected: np.ndarray, busy: Callable[[int], None], k: int) -> None:
+    import cupy as cp
+
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cuda")
+    pick = [slice(None), slice(k % 8, None), slice(2 * (k % 3), 200)][k % 3]
+    busy(expected.nbytes if k % 3 == 0 else expected.nbytes // 2)
+    got = ds.a[pick].load().data
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(cp.asnumpy(got), expected[pick], err_msg=f"{path.name}")
+
+
+def _read_dask(path: Path, expected: np.ndarray, busy: Callable[[int], None]) -> None:
+    import cupy as cp
+
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cuda", chunks={})
+    busy(expected.nbytes)
+    got = ds.a.compute(scheduler="sync").data
+    np.testing.assert_array_equal(cp.asnumpy(got), expected, err_msg=f"{path.name} (dask)")
+
+
+def _write(out: Path, codec: str, seed: int, busy: Callable[[int], None]) -> None:
+    """Values computed on the busy current stream, written at once, read back by zarr."""
+    import cupy as cp
+
+    want = _values(100 + seed)
+    base = cp.asarray(want)
+    busy(want.nbytes)
+    values = base * 1  # queued behind the spin: the encode must wait for it
+    ds, encoding, zarr_format = _dataset(values, codec)
+    xarray_gds.to_zarr(ds, out, mode="w", encoding=encoding, zarr_format=zarr_format)
+    got = xr.open_dataset(out, engine="zarr").a.values
+    np.testing.assert_array_equal(got, want, err_msg=f"{codec} write")
+
+
+def _loader_epoch(path: Path, expected: np.ndarray, busy: Callable[[int], None], k: int) -> None:
+    """An epoch of the prefetching loader, consumed on a stream of the caller's own."""
+    import cupy as cp
+
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cuda")
+    loader = xarray_gds.BatchLoader(ds, "time", batch_size=4, seed=k, prefetch=2)
+    order = loader.batches(0)
+    with cp.cuda.Stream(non_blocking=True):
+        for samples, batch in zip(order, loader, strict=True):
+            busy(expected.nbytes // 4)
+            got = cp.asnumpy(batch["a"])
+            np.testing.assert_array_equal(got, expected[samples], err_msg=f"{path.name} loader")
+
+
+def _job(
+    t: int, stores: dict[str, tuple[Path, np.ndarray]], out: Path, busy: Callable[[int], None]
+) -> None:
+    codecs = list(stores)
+    for r in range(ROUNDS):
+        k = t * ROUNDS + r
+        codec = codecs[k % len(codecs)]
+        path, expected = stores[codec]
+        with _on_stream(own_stream=bool(k % 2)):
+            kind = k % 5
+            if kind in (0, 1):
+                _read(path, expected, busy, k)
+            elif kind == 2:
+                _read_dask(path, expected, busy)
+            elif kind == 3:
+                _write(out / f"w{t}-{r}.zarr", codec, k, busy)
+            else:
+                _loader_epoch(path, expected, busy, k)
+
+
+def _run_threads(job: Callable[[int], None]) -> None:
+    start = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            start.wait()
+            job(t)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("wave", list(WAVES))
+def test_busy_card_reads_and_writes_are_exact(
+    wave: str,
+    stores: dict[str, tuple[Path, np.ndarray]],
+    busy_card: Callable[[int], None],
+    tmp_path: Path,
+) -> None:
+    with zarr.config.set(WAVES[wave]):
+        _run_threads(lambda t: _job(t, stores, tmp_path, busy_card))
