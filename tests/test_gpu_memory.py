@@ -76,10 +76,11 @@ def _cycle(i: int, stores: dict[str, Path], out: Path) -> None:
     lazy = xr.open_dataset(path, engine="gds-zarr", device="cuda", chunks={})
     assert bool((lazy.a.compute().data == eager.a.data).all())
     xarray_gds.to_zarr(eager, out / f"w{i % 2}.zarr", mode="w")
-    loader = xarray_gds.BatchLoader(eager.isel(time=slice(0, 8)), "time", batch_size=4, seed=i)
+    opened = xr.open_dataset(path, engine="gds-zarr", device="cuda").isel(time=slice(0, 8))
+    loader = xarray_gds.BatchLoader(opened, "time", batch_size=4, seed=i)
     for batch in loader:
         assert isinstance(batch["a"], cp.ndarray)
-    del eager, lazy, loader, batch
+    del eager, lazy, opened, loader, batch
 
 
 def test_device_memory_is_flat_over_cycles(tmp_path: Path) -> None:

@@ -123,7 +123,8 @@ def busy_card() -> Iterator[Callable[[int], None]]:
     pool.free_all_blocks()
     pool.set_limit(size=POOL_LIMIT)
     spin = cp.RawKernel(_SPIN, "spin")
-    rate = cp.cuda.Device().attributes["ClockRate"] * 1000  # cycles a second
+    # cycles a second (kHz in CUDA's attribute; about 2 GHz where a driver leaves it out)
+    rate = (cp.cuda.Device().attributes.get("ClockRate") or 2_000_000) * 1000
     rng = np.random.default_rng(0)
     lock = threading.Lock()
 
