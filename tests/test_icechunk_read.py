@@ -222,6 +222,32 @@ def test_writable_session_reads_its_uncommitted_chunks(local_repo: icechunk.Repo
     assert got.sizes["time"] == 10
 
 
+def test_writable_session_reads_what_it_writes_after_the_open(tmp_path: Path) -> None:
+    """Datasets opened on a writable session read the chunks written into it after the
+    open (new ones and rewritten ones, uncommitted), as engine='zarr' does: zarr opens
+    the session's store read-only, and the session still changes."""
+    repo = _repo(tmp_path / "repo")
+    session = repo.writable_session("main")
+    empty = _dataset()  # fill values only: no chunk stored
+    empty["t2m"] = empty.t2m.where(False)
+    empty["flag"] = empty.flag * 0
+    empty.to_zarr(session.store, mode="w", consolidated=False, encoding=ENCODING)
+    options = {"icechunk_storage": repo.storage}
+    kw: dict[str, Any] = {"consolidated": False, "cache": False}
+    eager, ref = _both(session.store, options, **kw)
+    lazy, _ = _both(session.store, options, chunks={}, **kw)
+    xr.testing.assert_identical(eager.compute(), ref.compute())
+    assert np.isnan(eager.t2m.values).all() and not eager.flag.values.any()
+    _dataset().to_zarr(session.store, mode="r+", consolidated=False)
+    expected = ref.compute()
+    xr.testing.assert_identical(expected, xr.open_dataset(session.store, engine="zarr").load())
+    assert not np.isnan(expected.t2m.values).any()
+    for ds in (eager, lazy):
+        xr.testing.assert_identical(ds.compute(), expected)
+        for sel in SELECTIONS:
+            xr.testing.assert_identical(ds.isel(sel).compute(), expected.isel(sel))
+
+
 def test_sharded_arrays_read_by_byte_ranges(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     encoding = {

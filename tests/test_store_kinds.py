@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from zarr.core.buffer import cpu
 from zarr.core.sync import sync
-from zarr.storage import LocalStore, MemoryStore
+from zarr.storage import LocalStore, MemoryStore, WrapperStore
 
 from tests._http import serve
+from tests._s3 import client as s3_client
+from tests._s3 import loopback_s3, storage_options
 from xarray_gds import stores
 from xarray_gds.deferred import HeldMetadataStore
 from xarray_gds.stores.local import GdsStore
@@ -82,6 +84,27 @@ class TestMemory(StoreKindTests):
         return True
 
 
+class _Wrapped(WrapperStore[MemoryStore]):
+    """A zarr Store that no kind but the last (any Store) claims."""
+
+
+class TestAnyStore(StoreKindTests):
+    """Any other zarr Store, read and written through its own methods."""
+
+    kind = stores.StoreSource
+
+    def make_store(self, tmp_path: Path, objects: dict[str, bytes]) -> Any:
+        held = MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in objects.items()})
+        return _Wrapped(held.with_read_only(True))
+
+    def writable_store(self, tmp_path: Path) -> Any:
+        return _Wrapped(MemoryStore())
+
+    def damage(self, tmp_path: Path, store: Any, key: str) -> bool:
+        store._store._store_dict[key] = cpu.Buffer.from_bytes(b"xx")  # cut short
+        return True
+
+
 class TestReferences(StoreKindTests):
     """A kerchunk reference set: every object a byte range of one file (the empty one
     inline)."""
@@ -117,12 +140,19 @@ class TestReferences(StoreKindTests):
         (tmp_path / "blob.bin").write_bytes(b"")  # every range now past the file's end
         return True
 
+    def no_writer(self) -> str:
+        return (
+            "a reference set is read-only: other tools write the files it points into, "
+            "and a chunk stored anew needs a new reference set"
+        )
+
 
 class TestRemote(StoreKindTests):
     """Objects over HTTP (the suite's loopback server), through obstore on the host and
     a kvikio stand-in on the device."""
 
     kind = stores.RemoteSource
+    consolidated = True  # HTTP lists no keys
     #: storage options of the open (none: obstore's HTTPStore)
     options: dict[str, Any] | None = None
 
@@ -142,11 +172,54 @@ class TestRemote(StoreKindTests):
         (tmp_path / "served" / "r.zarr" / key).write_bytes(b"xx")  # cut short
         return True
 
+    def rewritable_store(self, tmp_path: Path) -> Any:
+        """The files the server serves, written on its side (HTTP takes no writes)."""
+        return LocalStore(tmp_path / "served" / "w.zarr")
+
+    def reader(self, tmp_path: Path, written: Any) -> Any:
+        url = self.url.rsplit("/", 1)[0] + "/w.zarr"
+        return stores.RemoteSource.open(url, mode="r", storage_options=self.options).store
+
 
 class TestRemoteFsspec(TestRemote):
     """The same through fsspec's HTTP filesystem (an option only it takes)."""
 
     options = {"encoded": True}  # noqa: RUF012 (read only)
+
+
+class TestRemoteS3(StoreKindTests):
+    """Objects of a bucket of the suite's loopback S3 server (moto, one for the class),
+    read through obstore on the host and a kvikio stand-in on the device, written
+    through s3fs."""
+
+    kind = stores.RemoteSource
+    bucket = "store-kinds"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def endpoint(cls) -> Iterator[str]:
+        with loopback_s3() as endpoint:
+            s3_client(endpoint, "kinds-key", "kinds-secret").create_bucket(Bucket=cls.bucket)
+            yield endpoint
+
+    @pytest.fixture
+    def store(self, endpoint: str, tmp_path: Path, held: dict[str, bytes]) -> Any:
+        self.options = storage_options(endpoint, "kinds-key", "kinds-secret")
+        self.root = f"s3://{self.bucket}/{tmp_path.name}"
+        client = s3_client(endpoint, "kinds-key", "kinds-secret")
+        group = {"r.zarr/zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
+        for key, data in {**group, **{f"r.zarr/{k}": v for k, v in held.items()}}.items():
+            client.put_object(Bucket=self.bucket, Key=f"{tmp_path.name}/{key}", Body=data)
+        return self.open(f"{self.root}/r.zarr", "r")
+
+    def open(self, url: str, mode: str) -> Any:
+        return stores.RemoteSource.open(url, mode=mode, storage_options=self.options).store
+
+    def target(self, tmp_path: Path, store: Any) -> Any:
+        return None  # a URL opens only with the server's options
+
+    def rewritable_store(self, tmp_path: Path) -> Any:
+        return self.open(f"{self.root}/w.zarr", "w")
 
 
 class TestIcechunk(StoreKindTests):
@@ -181,6 +254,15 @@ class TestIcechunk(StoreKindTests):
         )
         assert opened is not None
         return opened.store
+
+    def rewritable_store(self, tmp_path: Path) -> Any:
+        """A writable session of a new repository: written and read, uncommitted."""
+        icechunk = pytest.importorskip("icechunk")
+        storage = icechunk.local_filesystem_storage(str(tmp_path / "rewritten"))
+        return icechunk.Repository.create(storage).writable_session("main").store
+
+    def read_options(self, tmp_path: Path) -> dict[str, Any] | None:
+        return {"icechunk_storage": str(tmp_path / "rewritten")}
 
 
 # -- the registry ------------------------------------------------------------------------

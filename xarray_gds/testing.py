@@ -8,11 +8,11 @@ byte ranges come back exactly (empty ranges too), a missing key reads as missing
 range past an object's end is never returned as data, reads land on the host or in
 device memory, concurrent reads do not mix, errors name the key, and a write through
 :func:`xarray_gds.to_zarr` takes the kind's writer lock and leaves nothing of itself
-after a failure.
+after a failure, and datasets opened before a write read what it wrote.
 
 Device placement runs without a GPU: :func:`device_standins` puts numpy stand-ins for
-CuPy, ``cupyx`` and kvikio (``CuFile`` over local files, ``RemoteFile`` over HTTP) in
-place of the real ones for a test. pytest is imported by this module: it is a test
+CuPy, ``cupyx`` and kvikio (``CuFile`` over local files, ``RemoteFile`` over HTTP and
+path-style S3) in place of the real ones for a test. pytest is imported by this module: it is a test
 helper, never imported by a read.
 """
 
@@ -115,12 +115,14 @@ class _CuFile:
 
 
 class _RemoteFile:
-    """kvikio's ``RemoteFile`` over HTTP(S) (range requests with urllib)."""
+    """kvikio's ``RemoteFile`` over HTTP(S) (range requests with urllib), and over a
+    path-style S3 endpoint (requests signed with botocore's SigV4)."""
 
-    def __init__(self, url: str, nbytes: int | None) -> None:
+    def __init__(self, url: str, nbytes: int | None, s3: dict[str, Any] | None = None) -> None:
         self.url = url
+        self._s3 = s3
         if nbytes is None:
-            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD")) as got:
+            with urllib.request.urlopen(self._request("HEAD", {})) as got:
                 nbytes = int(got.headers["Content-Length"])
         self._nbytes = nbytes
 
@@ -128,12 +130,34 @@ class _RemoteFile:
     def open_http(cls, url: str, nbytes: int | None = None) -> _RemoteFile:
         return cls(url, nbytes)
 
+    @classmethod
+    def open_s3(cls, bucket: str, name: str, nbytes: int | None = None, **args: Any) -> _RemoteFile:
+        endpoint = args.get("aws_endpoint_url") or "https://s3.amazonaws.com"
+        return cls(f"{endpoint.rstrip('/')}/{bucket}/{name}", nbytes, args)
+
+    def _request(self, method: str, headers: dict[str, str]) -> urllib.request.Request:
+        if self._s3 is None:
+            return urllib.request.Request(self.url, headers=headers, method=method)
+        from botocore.auth import SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        s3 = self._s3
+        request = AWSRequest(method=method, url=self.url, headers=headers)
+        credentials = Credentials(
+            s3.get("aws_access_key_id"),
+            s3.get("aws_secret_access_key"),
+            s3.get("aws_session_token"),
+        )
+        SigV4Auth(credentials, "s3", s3.get("aws_region_name") or "us-east-1").add_auth(request)
+        return urllib.request.Request(self.url, headers=dict(request.headers), method=method)
+
     def nbytes(self) -> int:
         return self._nbytes
 
     def pread(self, buf: Any, size: int, offset: int = 0) -> _Future:
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
-        with urllib.request.urlopen(urllib.request.Request(self.url, headers=headers)) as got:
+        with urllib.request.urlopen(self._request("GET", headers)) as got:
             data = got.read()
         np.asarray(buf).view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
         return _Future(len(data))
@@ -165,8 +189,10 @@ def _objects() -> dict[str, bytes]:
 
 class StoreKindTests:
     """The tests every store kind passes. A subclass sets :attr:`kind` and implements
-    :meth:`make_store`; it may override :meth:`target` (what the kind opens), and
-    :meth:`writable_store` (a store to write, for kinds that declare ``writes``).
+    :meth:`make_store`; it may override :meth:`target` (what the kind opens),
+    :meth:`writable_store` (a store to write, for kinds that declare ``writes``), and
+    :meth:`rewritable_store`, :meth:`reader` and :meth:`read_options` (a store written
+    and read again, what reads it, the options of those reads).
 
     The objects (:meth:`objects`) are raw bytes under chunk-like keys; a kind that can
     hold only the chunks of real arrays (Icechunk) overrides :meth:`objects` too.
@@ -174,6 +200,9 @@ class StoreKindTests:
 
     #: the :class:`~xarray_gds.stores.base.Source` subclass under test
     kind: ClassVar[type[Source]]
+    #: whether :meth:`test_read_after_write` writes and reads consolidated metadata
+    #: (for stores that cannot list their keys: HTTP)
+    consolidated: ClassVar[bool] = False
 
     # -- what a subclass provides ------------------------------------------------------
 
@@ -189,6 +218,25 @@ class StoreKindTests:
     def writable_store(self, tmp_path: Path) -> Any:
         """A store of this kind to write into, or None (the write tests skip)."""
         return None
+
+    def rewritable_store(self, tmp_path: Path) -> Any:
+        """A store to write, read, write again and read (:meth:`test_read_after_write`):
+        :meth:`writable_store`'s by default; None where the kind has no writer (the test
+        skips, saying why: :meth:`no_writer`)."""
+        return self.writable_store(tmp_path)
+
+    def reader(self, tmp_path: Path, written: Any) -> Any:
+        """What :meth:`test_read_after_write` reads what was written into ``written``
+        through: the same store by default."""
+        return written
+
+    def read_options(self, tmp_path: Path) -> dict[str, Any] | None:
+        """The ``storage_options`` of the engine's reads of :meth:`reader`'s store."""
+        return None
+
+    def no_writer(self) -> str:
+        """Why :meth:`rewritable_store` is None."""
+        return f"{self.kind.__name__} is not written here"
 
     def objects(self, tmp_path: Path) -> dict[str, bytes]:
         """The objects the store holds."""
@@ -395,6 +443,59 @@ class StoreKindTests:
                     source_for(store).writer_lock(0.0)
             finally:
                 lock.release()
+
+    def test_read_after_write(self, tmp_path: Path, store: Any) -> None:
+        """Datasets opened before a write read what it wrote, as engine="zarr" does:
+        values written over stored chunks and chunks stored where only the fill value
+        was, written through the same store (an Icechunk session: the same session).
+        Reads on the host, eager and through dask, opened with ``cache=False``
+        (``store``, unused, keeps the kind's servers up for the test)."""
+        written = self.rewritable_store(tmp_path)
+        if written is None:
+            pytest.skip(self.no_writer())
+        import xarray as xr
+
+        first, second = _rewrites()
+        encoding = {"v": {"chunks": (2, 5)}}
+        consolidated = self.consolidated
+        first.to_zarr(
+            written, mode="w", consolidated=consolidated, zarr_format=3, encoding=encoding
+        )
+        read = self.reader(tmp_path, written)
+        kw: dict[str, Any] = {"consolidated": consolidated, "cache": False}
+        gds = {"storage_options": self.read_options(tmp_path), "device": "cpu", **kw}
+        opened = [
+            xr.open_dataset(read, engine="gds-zarr", **gds),
+            xr.open_dataset(read, engine="gds-zarr", chunks={}, **gds),
+        ]
+        zarr_read = xr.open_dataset(read, engine="zarr", **kw)
+        for want in (first, second):
+            if want is second:
+                second.to_zarr(written, mode="r+", consolidated=consolidated)
+                opened.append(xr.open_dataset(read, engine="gds-zarr", **gds))
+            expected = zarr_read.compute()
+            np.testing.assert_array_equal(expected["v"].values, want["v"].values)
+            for ds in opened:
+                xr.testing.assert_identical(ds.compute(), expected)
+                xr.testing.assert_identical(
+                    ds.isel(t=slice(1, 3)).compute(), expected.isel(t=slice(1, 3))
+                )
+
+
+def _rewrites() -> tuple[Any, Any]:
+    """The datasets :meth:`StoreKindTests.test_read_after_write` writes: the first
+    holds only the fill value (NaN) in its last two rows (chunks left unstored), the
+    second other values everywhere."""
+    import xarray as xr
+
+    values = np.arange(40, dtype="f4").reshape(4, 10)
+    first = values.copy()
+    first[2:] = np.nan
+    coords = {"t": np.arange(4), "x": np.arange(10)}
+    return (
+        xr.Dataset({"v": (("t", "x"), first)}, coords=coords),
+        xr.Dataset({"v": (("t", "x"), 100 + values)}, coords=coords),
+    )
 
 
 def _fail_late(block: np.ndarray, block_info: Any = None) -> np.ndarray:

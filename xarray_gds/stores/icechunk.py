@@ -297,9 +297,10 @@ def _build_table(store: Store, path: str) -> _Table | None:
 
 def _table(store: IcechunkReadStore, path: str) -> _Table | None:
     """The chunk table of an array: kept by the engine's store of a read-only session,
-    made again for each read of a writable one (its chunks change as it is written)."""
+    made again for each read of a writable one, whose chunks change as it is written
+    (the session says which: zarr opens its store read-only for every read)."""
     session = store.store
-    if not session.read_only:
+    if not getattr(getattr(session, "session", session), "read_only", True):
         return _build_table(session, path)
     with store._lock:
         if path not in store._tables:
