@@ -74,7 +74,7 @@ def _cycle(i: int, stores: dict[str, Path], out: Path) -> None:
     path = stores[list(stores)[i % len(stores)]]
     eager = xr.open_dataset(path, engine="gds-zarr", device="cuda").load()
     lazy = xr.open_dataset(path, engine="gds-zarr", device="cuda", chunks={})
-    assert bool((lazy.a.compute().data == eager.a.data).all())
+    assert bool((cp.asarray(lazy.a.compute().data) == eager.a.data).all())
     xarray_gds.to_zarr(eager, out / f"w{i % 2}.zarr", mode="w")
     opened = xr.open_dataset(path, engine="gds-zarr", device="cuda").isel(time=slice(0, 8))
     loader = xarray_gds.BatchLoader(opened, "time", batch_size=4, seed=i)

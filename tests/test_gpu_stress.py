@@ -112,10 +112,41 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np
     return out
 
 
+class _Noise:
+    """A thread that keeps the legacy default stream (shared by every thread that has
+    not chosen a stream) busy: spin kernels, each followed by decoys of the sizes the
+    reads allocate, filled and freed at once, with about ``DEPTH`` spins queued at any
+    time (it waits for the one ``DEPTH`` back, never for the whole queue)."""
+
+    DEPTH = 3
+
+    def __init__(self, spin: Any, rate: float, sizes: list[int]) -> None:
+        self.spin, self.rate, self.sizes = spin, rate, sizes
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import cupy as cp
+
+        marks: list[Any] = []
+        with cp.cuda.Stream.null:
+            while not self.stop.is_set():
+                self.spin((1,), (1,), (np.int64(0.008 * self.rate),))
+                for n in self.sizes:
+                    decoy = cp.empty(n, dtype=cp.uint8)
+                    decoy.fill(0xFF)  # NaN where read as float32: never a stored value
+                    del decoy
+                marks.append(cp.cuda.Stream.null.record())
+                if len(marks) > self.DEPTH:
+                    marks.pop(0).synchronize()
+            cp.cuda.Stream.null.synchronize()
+
+
 @pytest.fixture
 def busy_card() -> Iterator[Callable[[int], None]]:
     """``busy(nbytes)``: a spin kernel, then a decoy block of ``nbytes`` filled and
-    freed, on the current stream; the CuPy pool capped at POOL_LIMIT meanwhile."""
+    freed, on the current stream; meanwhile a :class:`_Noise` thread keeps the default
+    stream busy, and the CuPy pool is capped at POOL_LIMIT."""
     import cupy as cp
 
     pool = cp.get_default_memory_pool()
@@ -127,18 +158,26 @@ def busy_card() -> Iterator[Callable[[int], None]]:
     rate = (cp.cuda.Device().attributes.get("ClockRate") or 2_000_000) * 1000
     rng = np.random.default_rng(0)
     lock = threading.Lock()
+    whole = int(np.prod(SHAPE)) * 4
+    chunk = int(np.prod(CHUNKS)) * 4
+    sizes = sorted({whole, whole // 2, *(chunk * k for k in range(1, 9)), 1 << 20, 4 << 20})
+    noise = _Noise(spin, rate, sizes)
 
     def busy(nbytes: int) -> None:
         with lock:
-            seconds = float(rng.uniform(0.0005, 0.004))
+            seconds = float(rng.uniform(0.005, 0.03))
         spin((1,), (1,), (np.int64(seconds * rate),))
-        decoy = cp.empty(nbytes, dtype=cp.uint8)
-        decoy.fill(0xFF)  # NaN where read as float32: never a value of the stores
-        del decoy
+        for n in (nbytes, *sizes):
+            decoy = cp.empty(n, dtype=cp.uint8)
+            decoy.fill(0xFF)
+            del decoy
 
+    noise.thread.start()
     try:
         yield busy
     finally:
+        noise.stop.set()
+        noise.thread.join()
         cp.cuda.Device().synchronize()
         pool.free_all_blocks()
         pool.set_limit(size=limit)
@@ -186,8 +225,9 @@ def _write(out: Path, codec: str, seed: int, busy: Callable[[int], None]) -> Non
     np.testing.assert_array_equal(got, want, err_msg=f"{codec} write")
 
 
-def _loader_epoch(path: Path, expected: np.ndarray, busy: Callable[[int], None], k: int) -> None:
-    """An epoch of the prefetching loader, consumed on a stream of the caller's own."""
+def _loader_epoch(path: Path, expected: np.ndarray, k: int) -> None:
+    """An epoch of the prefetching loader, consumed on a stream of the caller's own
+    while its thread reads on the busy default stream."""
     import cupy as cp
 
     ds = xr.open_dataset(path, engine="gds-zarr", device="cuda")
@@ -195,7 +235,6 @@ def _loader_epoch(path: Path, expected: np.ndarray, busy: Callable[[int], None],
     order = loader.batches(0)
     with cp.cuda.Stream(non_blocking=True):
         for samples, batch in zip(order, loader, strict=True):
-            busy(expected.nbytes // 4)
             got = cp.asnumpy(batch["a"])
             np.testing.assert_array_equal(got, expected[samples], err_msg=f"{path.name} loader")
 
@@ -208,8 +247,11 @@ def _job(
         k = t * ROUNDS + r
         codec = codecs[k % len(codecs)]
         path, expected = stores[codec]
-        with _on_stream(own_stream=bool(k % 2)):
-            kind = k % 5
+        kind = k % 5
+        # a write computes in dask's threads, on their default stream: values of a
+        # stream of the caller's own are the caller's to synchronise, so writes start
+        # on the default stream
+        with _on_stream(own_stream=k % 3 == 0 and kind != 3):
             if kind in (0, 1):
                 _read(path, expected, busy, k)
             elif kind == 2:
@@ -217,7 +259,7 @@ def _job(
             elif kind == 3:
                 _write(out / f"w{t}-{r}.zarr", codec, k, busy)
             else:
-                _loader_epoch(path, expected, busy, k)
+                _loader_epoch(path, expected, k)
 
 
 def _run_threads(job: Callable[[int], None]) -> None:
