@@ -792,8 +792,10 @@ def test_bench_gpu_cases_without_a_gpu_say_so_and_fail(
     captured = capsys.readouterr()
     assert captured.out.splitlines() == [
         "no GPU (no GPU in this test): the cases that need one are skipped",
-        "zstd-4MB: skipped: needs a GPU",
-        "usage-chunks-2var: skipped: needs a GPU",
+        "zstd-4MB: skipped: needs a GPU (on the host: --case host-zstd-4MB; the "
+        "host-usage-* cases, docs/performance.md)",
+        "usage-chunks-2var: skipped: needs a GPU (on the host: --case "
+        "host-usage-chunks-2var; the host-usage-* cases, docs/performance.md)",
     ]
     assert "none of the cases asked for ran" in captured.err
 

@@ -19,6 +19,7 @@ from xarray_gds.errors import (
     XarrayGdsWarning,
 )
 from xarray_gds.loader import BatchLoader
+from xarray_gds.stores.icechunk import IcechunkFallbackWarning
 from xarray_gds.stores.local import GdsStore
 from xarray_gds.write import to_zarr
 
@@ -33,6 +34,7 @@ __all__ = [
     "GdsZarrBackendEntrypoint",
     "HostBlocksWarning",
     "HostRouteWarning",
+    "IcechunkFallbackWarning",
     "NoCudaDeviceError",
     "__version__",
     "cuda_status",

@@ -194,7 +194,8 @@ def install_hint(packages: list[str]) -> str:
 def skip_reason(name: str, cuda: bool) -> str | None:
     """Why case ``name`` cannot run here (no GPU, or packages missing), or None."""
     if CASES[name]["gpu"] and not cuda:
-        return "needs a GPU"
+        twin = f"--case host-{name}; " if f"host-{name}" in CASES else ""
+        return f"needs a GPU (on the host: {twin}the host-usage-* cases, docs/performance.md)"
     if CASES[name].get("serves") and nginx.NGINX is None:
         return "needs nginx (apt-get install nginx)"
     absent = missing(name)

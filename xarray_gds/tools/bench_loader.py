@@ -15,8 +15,9 @@ random time steps of all 20 variables, stacked into ``(16, 20, 721, 1440)``;
   map-style dataset that reads one sample with ``engine="zarr"`` (``isel(time=i)`` of
   every variable, stacked), with 4, 8 and 16 worker processes (``zarr`` is the 8-worker
   one), ``pin_memory=True`` and a non-blocking copy of each batch to the GPU. Without
-  a GPU: a 2-worker DataLoader (``zarr``) when PyTorch is installed, else a plain loop
-  over the batches with ``engine="zarr"``.
+  a GPU: a 2-worker DataLoader (``zarr``) when PyTorch is installed, else
+  ``zarr (one process, no DataLoader)``: a loop over the same shuffled batches reading
+  each sample with ``engine="zarr"`` in this process.
 
 The note gives samples/s of each and the loader against the fastest other. The
 ``-train`` variant adds a simulated training step after each batch (matrix products on
@@ -49,6 +50,8 @@ SMALL = (73, 144)
 EPOCHS = 3  #: epochs a timed call reads
 STEP_SECONDS = 0.05  #: the simulated training step
 _SEED = 0
+#: the contender without PyTorch: engine="zarr" in a loop of this process
+PLAIN = "zarr (one process, no DataLoader)"
 
 #: what the last run of each contender saw: samples read and seconds spent in the step
 _seen: dict[tuple[str, str], dict[str, float]] = {}
@@ -192,7 +195,7 @@ def contenders(
                     yield np.stack([samples[int(i)] for i in b])
                 order.set_epoch(order.epoch + 1)
 
-            out["zarr"] = timed("zarr", plain)
+            out[PLAIN] = timed(PLAIN, plain)
             return out
         for workers in (4, 8, 16) if cuda else (2,):
             label = "zarr" if workers == (8 if cuda else 2) else f"zarr {workers} workers"
@@ -259,7 +262,7 @@ def cases() -> dict[str, dict[str, Any]]:
     for batch, n_vars, train in ((16, 20, False), (4, 4, False), (16, 20, True)):
         name = f"loader-{batch}x{n_vars}" + ("-train" if train else "")
         out[name] = {
-            "gpu": False,  # runs on the host too (numpy batches, a 2-worker DataLoader)
+            "gpu": False,  # runs on the host too (numpy batches, a 2-worker DataLoader or PLAIN)
             "named_only": True,  # a store of 8.3 GB a case: run with --case
             "scale": 4.15,  # --size-gb 2: 100 time steps (8.3 GB)
             "repeat": 1,
