@@ -975,3 +975,206 @@ def test_every_bench_case_has_a_title() -> None:
 
     assert set(bench.TITLES) == set(bench.CASES)
     assert all(bench.TITLES.values())
+
+
+# --- errors: one line, the traceback only with --debug ---------------------------------
+
+
+def _icechunk_repository(path: Path) -> Path:
+    icechunk = pytest.importorskip("icechunk")
+    repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(path)))
+    session = repo.writable_session("main")
+    zarr.create_group(session.store).create_array("a", shape=(4,), dtype="f4")
+    session.commit("one array")
+    return path
+
+
+def _corrupt_store(path: Path) -> Path:
+    _v3_store(path)
+    (path / "zarr.json").write_bytes((path / "zarr.json").read_bytes() + b"\x00")
+    return path
+
+
+#: (name, arguments, exit status, the error line after "xarray-gds COMMAND: error: "
+#: as its start); {tmp} stands for the test's directory
+USER_ERRORS = [
+    ("missing path", ["info", "{tmp}/missing.zarr"], 1, "No such Zarr store: '{tmp}/missing.zarr'"),
+    (
+        "not a store",
+        ["info", "{tmp}"],
+        1,
+        "'{tmp}' is not a Zarr store: it is not a directory holding zarr.json (Zarr v3) or "
+        ".zgroup/.zarray/.zmetadata (Zarr v2)",
+    ),
+    (
+        "corrupt metadata",
+        ["info", "{tmp}/corrupt.zarr"],
+        1,
+        "corrupt Zarr metadata document 'zarr.json' in file://{tmp}/corrupt.zarr: not valid "
+        "JSON (Extra data: line ",
+    ),
+    (
+        "icechunk repository",
+        ["info", "{tmp}/repo"],
+        1,
+        "'{tmp}/repo' is an Icechunk repository, not a Zarr store: open a session's store, "
+        "repo = icechunk.Repository.open(icechunk.local_filesystem_storage('{tmp}/repo')), "
+        "then xr.open_dataset(repo.readonly_session('main').store, engine='gds-zarr', "
+        "storage_options={{'icechunk_storage': repo.storage}})",
+    ),
+    ("group of a corrupt store", ["info", "{tmp}/corrupt.zarr", "--group", "x"], 1, "corrupt Zarr"),
+]
+
+
+def _setup_errors(tmp_path: Path, name: str) -> None:
+    if name in ("corrupt metadata", "group of a corrupt store"):
+        _corrupt_store(tmp_path / "corrupt.zarr")
+    if name == "icechunk repository":
+        _icechunk_repository(tmp_path / "repo")
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "status", "start"), USER_ERRORS, ids=[c[0] for c in USER_ERRORS]
+)
+def test_user_errors_are_one_line(
+    name: str,
+    argv: list[str],
+    status: int,
+    start: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _setup_errors(tmp_path, name)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    start = f"xarray-gds {argv[0]}: error: " + start.format(tmp=tmp_path)
+    assert cli.main(argv) == status
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(start), line
+    # --debug, before or after the command: the traceback, then the same line
+    for debug in (["--debug", *argv], [*argv, "--debug"]):
+        assert cli.main(debug) == status
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback (most recent call last):\n")
+        assert err.splitlines()[-1] == line
+
+
+@pytest.mark.parametrize(
+    ("url", "blocked"),
+    [
+        ("{tmp}/refs.json", ["fsspec.implementations.reference", "kerchunk"]),
+        ("s3://bucket/store.zarr", ["s3fs", "obstore"]),
+    ],
+)
+def test_a_missing_optional_package_is_one_line(
+    url: str, blocked: list[str], tmp_path: Path
+) -> None:
+    refs = {"version": 1, "refs": {".zgroup": json.dumps({"zarr_format": 2})}}
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    url = url.format(tmp=tmp_path)
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # as if it were not installed\n"
+        "from xarray_gds.tools.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    for debug in ([], ["--debug"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, "info", url, *debug],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 1
+        assert done.stdout == ""
+        lines = done.stderr.splitlines()
+        assert lines[-1].startswith("xarray-gds info: error: ")
+        if debug:
+            assert lines[0] == "Traceback (most recent call last):"
+            assert "ImportError" in done.stderr
+        else:
+            assert len(lines) == 1, done.stderr
+    assert "Traceback" not in lines[-1]
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "nan", "inf", "two"])
+def test_bench_size_gb_must_be_above_zero(size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--size-gb", size, "--case", "host-zstd-4MB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: xarray-gds bench ")
+    why = f"{size!r} is not a number" if size == "two" else f"must be more than 0, got {size}"
+    assert err.splitlines()[-1] == f"xarray-gds bench: error: argument --size-gb: {why}"
+
+
+def test_an_error_of_the_program_says_so_and_how_to_see_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: Any) -> int:
+        return 1 // 0
+
+    monkeypatch.setattr(cli, "_run_calibrate", broken)
+    assert cli.main(["calibrate"]) == 1
+    assert capsys.readouterr().err == (
+        "xarray-gds calibrate: error: internal error: ZeroDivisionError: integer division "
+        "or modulo by zero; rerun with --debug for the traceback\n"
+    )
+    assert cli.main(["calibrate", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n")
+    assert "return 1 // 0" in err
+    assert err.splitlines()[-1] == (
+        "xarray-gds calibrate: error: internal error: ZeroDivisionError: integer division "
+        "or modulo by zero"
+    )
+
+
+def test_ctrl_c_exits_130_quietly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_calibrate", interrupted)
+    assert cli.main(["calibrate"]) == 130
+    assert capsys.readouterr() == ("", "")
+
+
+def test_help_names_debug(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "--debug" in capsys.readouterr().out
+    assert cli.main(["info", "--help"]) == 0
+    assert "--debug" in capsys.readouterr().out
+
+
+def test_info_names_the_host_deflate_decoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("deflate")
+    from xarray_gds.codecs.formats import deflate
+
+    root = zarr.open_group(tmp_path / "zlib.zarr", mode="w", zarr_format=2)
+    root.create_array(
+        "v",
+        shape=(8,),
+        dtype="f4",
+        compressors=[numcodecs.Zlib()],
+        attributes={"_ARRAY_DIMENSIONS": ["x"]},
+    )
+    argv = ["info", str(tmp_path / "zlib.zarr"), "--device", "cpu"]
+    assert cli.main(argv) == 0
+    fast = "libdeflate, threaded; numcodecs for a chunk it cannot decode exactly"
+    decode = field(sections(capsys.readouterr().out)["/v"], "decode")
+    assert decode == f"batched on the host ({fast})"
+    monkeypatch.setitem(sys.modules, "deflate", None)  # not installed
+    deflate.libdeflate.cache_clear()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        deflate.libdeflate.cache_clear()
+    assert field(sections(capsys.readouterr().out)["/v"], "decode") == (
+        "batched on the host (numcodecs, threaded)"
+    )

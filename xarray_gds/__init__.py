@@ -15,6 +15,7 @@ from xarray_gds.errors import (
     ConsolidatedMetadataWarning,
     HostBlocksWarning,
     HostRouteWarning,
+    MetadataError,
     WriterLockWarning,
     XarrayGdsWarning,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "HostBlocksWarning",
     "HostRouteWarning",
     "IcechunkFallbackWarning",
+    "MetadataError",
     "NoCudaDeviceError",
     "__version__",
     "cuda_status",

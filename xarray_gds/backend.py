@@ -23,7 +23,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
-from xarray_gds import config, fuse
+from xarray_gds import config, documents, fuse
 from xarray_gds import device as _device
 from xarray_gds.array import GdsBackendArray, HostDecodedArray, ReadAhead
 from xarray_gds.cf import plan_cf_decoding
@@ -152,12 +152,22 @@ def _group_paths(store: Store, zarr_format: int | None) -> list[str]:
 def consolidated_at_root(store: Store, group: str | None, zarr_format: int | None) -> bool:
     """Whether the store's root holds consolidated metadata that lists ``group`` (the
     root itself when ``group`` is empty or "/"): the metadata xarray's engine="zarr"
-    reads a group from, whichever group is asked for."""
+    reads a group from, whichever group is asked for.
+
+    Raises
+    ------
+    MetadataError
+        The root's consolidated metadata is there but damaged (a ``.zmetadata`` or a
+        root ``zarr.json`` that does not parse).
+    """
     listed = _v3_root_listing(store, zarr_format)
     if listed is None:
         try:
             root = zarr.open_consolidated(store, mode="r", path="", zarr_format=zarr_format)
-        except Exception:  # no consolidated metadata at the root (ValueError), or no root
+        except Exception as err:  # no consolidated metadata at the root, or no root
+            damage = documents.consolidated_damage(store, "", zarr_format)
+            if damage is not None:
+                raise damage from err
             return False
         listed = root.metadata.consolidated_metadata
     path = (group or "").strip("/")
@@ -187,7 +197,7 @@ def _consolidated(store: Store, group: str | None, zarr_format: int | None) -> b
     but warning at the user's line in the package's own category (xarray's warning
     would point into this module). None: the group does not open at all (the open that
     follows raises what engine="zarr" raises)."""
-    if consolidated_at_root(store, group, zarr_format):
+    if consolidated_at_root(store, group, zarr_format):  # MetadataError where damaged
         return True
     where: dict[str, Any] = {"path": group or "", "zarr_format": zarr_format}
     try:
@@ -297,9 +307,10 @@ def _open_zarr_stores(
     kwargs.update(group=group, consolidate_on_close=False)
     kwargs["cache_members"] = bool(kwargs["cache_members"])
     try:
-        if all_groups:
-            return ZarrStore.open_store(store, **kwargs)
-        return {group or "/": ZarrStore.open_group(store, **kwargs)}
+        with documents.naming_damage(store, group, consolidated=kwargs["consolidated"]):
+            if all_groups:
+                return ZarrStore.open_store(store, **kwargs)
+            return {group or "/": ZarrStore.open_group(store, **kwargs)}
     except (KeyError, FileNotFoundError) as err:
         if group in (None, "", "/"):
             raise
@@ -357,7 +368,10 @@ def _dataset_from_store(
     GPU number ``gpu`` when given, see :func:`xarray_gds.device.resolve`)."""
     config.validate()
     fuse.install()  # the engine's arrays are made here: dask's pass comes with them
-    raw_vars, attrs = zstore.load()
+    group = zstore.zarr_group
+    listed = group.metadata.consolidated_metadata is not None
+    with documents.naming_damage(group.store, group.path, consolidated=listed):
+        raw_vars, attrs = zstore.load()  # members listed here with cache_members=False
     raw_vars = _nczarr_shuffles(raw_vars, zstore.members)
     encoding = zstore.get_encoding()
     # xarray's decoders may pop CF attributes from the variables they are given

@@ -13,6 +13,7 @@ __all__ = [
     "ConsolidatedMetadataWarning",
     "HostBlocksWarning",
     "HostRouteWarning",
+    "MetadataError",
     "WriterLockWarning",
     "XarrayGdsWarning",
     "warn",
@@ -41,6 +42,35 @@ class WriterLockWarning(XarrayGdsWarning, RuntimeWarning):
 class HostBlocksWarning(XarrayGdsWarning, UserWarning):
     """Dask blocks decoded on the GPU come back as numpy blocks (xarray's default chunk
     manager); pass ``chunked_array_type="gds-dask"`` to keep them."""
+
+
+class MetadataError(ValueError):
+    """A Zarr metadata document of a store is damaged: not JSON (a truncated write,
+    bytes appended to it), not a JSON object, or consolidated metadata that lists no
+    nodes as Zarr lays them out.
+
+    Raised by ``xr.open_dataset``, ``xr.open_datatree`` and ``xr.open_groups`` with
+    ``engine="gds-zarr"`` in place of the parser's error (which names no document),
+    that error chained as ``__cause__``. A document the open does not read (an
+    array's own document where consolidated metadata describes the array, as
+    ``engine="zarr"`` reads it too) is not looked at.
+
+    Attributes
+    ----------
+    document : str
+        The document's key in the store: ``"t2m/zarr.json"``, ``".zmetadata"``.
+    store : str
+        The store, as its ``str`` shows it (without credentials).
+    reason : str
+        What is wrong with the document.
+    """
+
+    def __init__(self, document: str, store: str, reason: str, hint: str = "") -> None:
+        self.document = document
+        self.store = store
+        self.reason = reason
+        message = f"corrupt Zarr metadata document {document!r} in {store}: {reason}"
+        super().__init__(message + (f"; {hint}" if hint else ""))
 
 
 def _package_dir(module: str) -> str | None:

@@ -302,12 +302,27 @@ def _open_path(text: str, read_only: bool) -> GdsStore:
             "with kerchunk or VirtualiZarr and open that with engine='gds-zarr' to decode "
             "its chunks on the GPU (see the NetCDF page of the docs, docs/netcdf.md)"
         )
+    if _is_icechunk_repository(path):
+        raise ValueError(
+            f"'{path}' is an Icechunk repository, not a Zarr store: open a session's "
+            "store, repo = icechunk.Repository.open(icechunk.local_filesystem_storage("
+            f"{str(path)!r})), then xr.open_dataset(repo.readonly_session('main').store, "
+            "engine='gds-zarr', storage_options={'icechunk_storage': repo.storage}) "
+            "(see the Icechunk page of the docs, docs/icechunk.md)"
+        )
     if not path.is_dir() or not any((path / name).exists() for name in _ROOT_METADATA):
         raise ValueError(
             f"'{path}' is not a Zarr store: it is not a directory holding "
             "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
         )
     return GdsStore(path, read_only=read_only)
+
+
+def _is_icechunk_repository(path: Path) -> bool:
+    """Whether ``path`` is the directory of an Icechunk repository on the local
+    filesystem: its ``snapshots`` directory and its ``repo`` file (Icechunk 2), or
+    ``refs`` directory (Icechunk 1)."""
+    return (path / "snapshots").is_dir() and ((path / "repo").is_file() or (path / "refs").is_dir())
 
 
 #: the first bytes of HDF5 (NetCDF-4) and NetCDF classic files

@@ -10,6 +10,10 @@ where the engine places the data, for reads on the device this machine would use
 :mod:`xarray_gds.tools.bench`); ``xarray-gds calibrate`` measures the cost model's
 constants (:mod:`xarray_gds.tools.calibrate`).
 
+An error is one line on stderr, ``xarray-gds COMMAND: error: ...`` (exit status 1, 2
+for usage errors); ``--debug``, before or after the command, prints its traceback too
+(:mod:`xarray_gds.tools._errors`).
+
 Like the rest of the package, importing this module loads no CUDA library.
 """
 
@@ -34,10 +38,13 @@ from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec
 
 import xarray_gds
 from xarray_gds import device as _device
+from xarray_gds import documents
 from xarray_gds.backend import consolidated_at_root, open_store, placement
 from xarray_gds.codecs import DecodeChain, ShardChain, Unsupported, codec_name, plan_chain
+from xarray_gds.codecs.formats import GZIP, ZLIB
+from xarray_gds.errors import MetadataError
 from xarray_gds.stores import urls as remote
-from xarray_gds.tools import _text
+from xarray_gds.tools import _errors, _text
 from xarray_gds.tools import demo as demo_cmd
 from xarray_gds.tools._text import PROG
 
@@ -227,6 +234,18 @@ def _codec_rows(array: Any, device: _device.Device) -> list[tuple[str, ...]]:
     return rows
 
 
+def _host_decoder(plan: DecodeChain | ShardChain) -> str:
+    """The host decoder of the compressor of a batched ``plan``: the faster one its
+    format names where its package is installed (libdeflate for zlib and gzip, the
+    ``fast-host`` extra), else numcodecs."""
+    chain = plan.inner if isinstance(plan, ShardChain) else plan
+    compressor = chain.compressor
+    if compressor is None or compressor.format.fast_decoder() is None:
+        return "numcodecs, threaded"
+    name = "libdeflate" if compressor.format in (ZLIB, GZIP) else "its fast decoder"
+    return f"{name}, threaded; numcodecs for a chunk it cannot decode exactly"
+
+
 def _route(array: Any, device: _device.Device) -> str:
     """One line on how reads of ``array`` on ``device`` are decoded."""
     plan = plan_chain(array.metadata)
@@ -235,7 +254,7 @@ def _route(array: Any, device: _device.Device) -> str:
         then = ", then copied to the GPU" if to_gpu else ""
         return f"zarr-python on the host ({plan.reason}){then}"
     if device == "cpu":
-        return "batched on the host (numcodecs, threaded)"
+        return f"batched on the host ({_host_decoder(plan)})"
     if plan.device_ready:
         return "batched: nvCOMP on the GPU"
     then = ", then copied to the GPU" if to_gpu else ""
@@ -368,6 +387,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def _gpu_of(asked: str) -> tuple[str, int | None]:
     """``--device`` as ``auto``, ``cpu`` or ``cuda``, and the GPU number of ``cuda:N``,
     checked against this machine's GPUs where it has any.
@@ -445,6 +474,55 @@ def _consolidated(store: Any, group: zarr.Group) -> bool:
     return consolidated_at_root(store, group.path, group.metadata.zarr_format)
 
 
+def _arrays_of(store: Any, node: Any) -> tuple[list[Any], str]:
+    """The arrays ``info`` describes (``node`` itself, or the arrays of the group
+    ``node`` and of every group below it), and what ``node`` is, in words.
+
+    Raises
+    ------
+    MetadataError
+        A metadata document of a node below ``node`` that is read does not parse.
+    """
+    if not isinstance(node, zarr.Group):
+        return [node], "array"
+    listed = node.metadata.consolidated_metadata is not None
+    with documents.naming_damage(store, node.path, consolidated=listed):
+        members = [n for _, n in node.members(max_depth=None)]
+    arrays = sorted((a for a in members if isinstance(a, zarr.Array)), key=lambda a: a.path)
+    groups = _text.plural(1 + sum(isinstance(n, zarr.Group) for n in members), "group")
+    return arrays, f"group: {_text.plural(len(arrays), 'array')} in {groups}"
+
+
+def _open_node(store: Any, path: str, group: str | None) -> Any:
+    """The node ``info`` describes: ``group`` of ``store`` (opened from ``path``), or
+    its root.
+
+    Raises
+    ------
+    MetadataError
+        A metadata document the open reads does not parse.
+    FileNotFoundError
+        ``group`` is not in the store (the message lists the groups that are).
+    OSError, ValueError
+        The store has no Zarr node there, or its metadata cannot be read.
+    """
+    try:
+        with documents.naming_damage(store, group):
+            return zarr.open(store=store, mode="r", path=group or "")
+    except MetadataError:  # names the document and what is wrong with it
+        raise
+    except (OSError, ValueError, KeyError) as err:
+        groups = _group_paths(store) if group else []
+        if group and groups and group.strip("/") not in (g.strip("/") for g in groups):
+            raise FileNotFoundError(
+                f"group {group!r} not found in Zarr store {store}; the groups in it "
+                "are: " + ", ".join(repr(g) for g in groups),
+            ) from err
+        if str(path) in str(err) and not isinstance(err, KeyError):  # zarr names the path
+            raise
+        raise ValueError(f"cannot read the Zarr metadata of {path!r}: {err!r}") from err
+
+
 def _run_info(args: argparse.Namespace) -> int:
     try:
         options = _storage_options(args.storage_option or ())
@@ -452,44 +530,17 @@ def _run_info(args: argparse.Namespace) -> int:
         _text.error("info", err)
         return 2
 
-    def fail(message: object) -> None:  # no credential of the URL or options in it
-        _text.error("info", remote.redact(str(message), options, str(args.path)))
-
+    # no credential of the URL or options in a message (main prints the errors)
+    args.redact = lambda text: remote.redact(str(text), options, str(args.path))
     try:
         asked, gpu = _gpu_of(args.device)
     except ValueError as err:
         _text.error("info", err)
         return 2
-    try:
-        store = open_store(args.path, storage_options=options or None)
-    except (OSError, ValueError, KeyError) as err:
-        fail(err)  # names the path and says what is wrong
-        return 1
-    try:
-        node = zarr.open(store=store, mode="r", path=args.group or "")
-    except (OSError, ValueError, KeyError) as err:
-        groups = _group_paths(store) if args.group else []
-        if groups and args.group.strip("/") not in (g.strip("/") for g in groups):
-            fail(
-                f"group {args.group!r} not found in Zarr store {store}; the groups in it "
-                "are: " + ", ".join(repr(g) for g in groups),
-            )
-        elif str(args.path) in str(err):  # zarr's messages name the path
-            fail(err)
-        else:
-            fail(f"cannot read the Zarr metadata of {args.path!r}: {err!r}")
-        return 1
+    store = open_store(args.path, storage_options=options or None)  # names the path
+    node = _open_node(store, args.path, args.group)
     device, device_line = _info_device(asked, gpu)
-    if isinstance(node, zarr.Group):
-        arrays = sorted(
-            (a for _, a in node.members(max_depth=None) if isinstance(a, zarr.Array)),
-            key=lambda a: a.path,
-        )
-        ngroups = 1 + sum(isinstance(n, zarr.Group) for _, n in node.members(max_depth=None))
-        kind = f"group: {_text.plural(len(arrays), 'array')} in {_text.plural(ngroups, 'group')}"
-    else:
-        arrays = [node]
-        kind = "array"
+    arrays, kind = _arrays_of(store, node)
     # a URL without its user information; a path as it was given
     shown = remote.store_url(store) if remote.is_remote_url(str(args.path)) else args.path
     if args.json:
@@ -668,7 +719,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_bench_cases(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--size-gb", type=float, default=2.0, help="store size (default 2)")
+    bench.add_argument(
+        "--size-gb", type=_positive_float, default=2.0, help="store size in GB (default 2)"
+    )
     bench.add_argument(
         "--repeat", type=_positive_int, default=3, help="timed runs, best kept (1 or more)"
     )
@@ -792,12 +845,21 @@ def main(argv: list[str] | None = None) -> int:
     -------
     int
         The exit status: 0 on success, 1 when a command failed (a store that cannot be
-        opened or read, unreachable or missing, included), 2 for usage errors (unknown
-        commands or options, a ``--device`` that is not a device, ``--repeat`` below 1,
-        a malformed ``--storage-option``), 141 (as for a process killed by SIGPIPE) when
-        the reader of the output went away before it was all written.
+        opened or read, unreachable, missing or with damaged metadata, an optional
+        package that is not installed, an error of the program itself), 2 for usage
+        errors (unknown commands or options, a ``--device`` that is not a device,
+        ``--repeat`` below 1, a ``--size-gb`` not above 0, a malformed
+        ``--storage-option``), 130 after Ctrl-C, 141 (as for a process killed by
+        SIGPIPE) when the reader of the output went away before it was all written.
+
+    Notes
+    -----
+    Errors are one line on stderr, ``xarray-gds COMMAND: error: WHAT``; an error of
+    the program itself says so and to rerun with ``--debug`` (before or after the
+    command), which prints the traceback too (see :mod:`xarray_gds.tools._errors`).
     """
     parser = _parser()
+    _errors.add_debug(parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version and usage errors
@@ -815,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return _EXIT_BROKEN_PIPE
+    except (Exception, KeyboardInterrupt) as err:
+        redact: Callable[[str], str] = getattr(args, "redact", str)
+        return _errors.report(args.command, err, args.debug, redact)
 
 
 if __name__ == "__main__":
