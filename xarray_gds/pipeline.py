@@ -24,6 +24,7 @@ from typing import Any, Self
 
 import numpy as np
 import zarr
+from numpy.lib.mixins import NDArrayOperatorsMixin
 from zarr.abc.codec import CodecPipeline, GetResult
 from zarr.abc.store import SupportsSyncStore
 from zarr.core.array import create_codec_pipeline
@@ -42,7 +43,7 @@ from xarray_gds.entries import scatter, split
 from xarray_gds.errors import HostRouteWarning, warn
 from xarray_gds.request import Decoded, ReadRequest
 
-__all__ = ["GdsCodecPipeline", "attach", "read_as_netcdf", "writing_to"]
+__all__ = ["DeviceValues", "GdsCodecPipeline", "attach", "read_as_netcdf", "writing_to"]
 
 _PATH = "xarray_gds.pipeline.GdsCodecPipeline"
 _warned: set[Any] = set()
@@ -167,6 +168,105 @@ def writing_to(store: object, levels: str = "host") -> Iterator[None]:
         _scope.exit(store)
 
 
+class DeviceValues(NDArrayOperatorsMixin):
+    """Device values on their way through xarray's CF encoding to
+    :meth:`GdsCodecPipeline.write`, which takes them out again.
+
+    xarray's encoder runs on CuPy values with the ``cupy`` namespace, whose functions
+    refuse the numpy scalars it passes (a packed variable's fill value: ``TypeError:
+    Input should be a CuPy array``). Wrapped, the values take numpy's: every numpy
+    function and ufunc applied to them runs on the values inside (NEP 18 and NEP 13
+    dispatch, CuPy's own for CuPy values, as on the blocks of a dask array), and
+    results that are arrays come back wrapped. Nothing copies them to the host:
+    ``np.asarray`` is refused, as CuPy refuses it.
+
+    Parameters
+    ----------
+    values : array
+        The values (a CuPy array; any array with numpy's protocols works the same).
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Any) -> None:
+        self.values = values
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.values.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return int(self.values.ndim)
+
+    @property
+    def size(self) -> int:
+        return int(self.values.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"DeviceValues({type(self.values).__name__}, shape={self.shape}, dtype={self.dtype})"
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError(
+            "xarray-gds: device values are not converted to numpy implicitly; "
+            "copy them to the host explicitly if that is meant"
+        )
+
+    def __getitem__(self, key: Any) -> Any:
+        return _wrapped(self.values[_unwrapped(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.values[_unwrapped(key)] = _unwrapped(value)
+
+    def astype(self, dtype: Any, *args: Any, **kwargs: Any) -> DeviceValues:
+        return DeviceValues(self.values.astype(dtype, *args, **kwargs))
+
+    def copy(self) -> DeviceValues:
+        return DeviceValues(self.values.copy())
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out")
+        result = getattr(ufunc, method)(*_unwrapped(inputs), **_unwrapped(kwargs))
+        if out is not None:  # in place: the wrappers given
+            return out[0] if len(out) == 1 else out
+        return _wrapped(result)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        return _wrapped(func(*_unwrapped(args), **_unwrapped(kwargs)))
+
+
+def _unwrapped(x: Any) -> Any:
+    """``x`` with the values inside every :class:`DeviceValues` in it (tuples, lists
+    and dicts looked into)."""
+    if isinstance(x, DeviceValues):
+        return x.values
+    if isinstance(x, tuple | list):
+        return type(x)(_unwrapped(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _unwrapped(v) for k, v in x.items()}
+    return x
+
+
+def _wrapped(x: Any) -> Any:
+    """``x``, its arrays (not scalars: those have no ``__array_function__``) wrapped."""
+    if isinstance(x, tuple | list):
+        return type(x)(_wrapped(v) for v in x)
+    if hasattr(x, "__array_function__") and not isinstance(x, DeviceValues):
+        return DeviceValues(x)
+    return x
+
+
 def _key_parts(metadata: Any) -> int:
     """Number of path segments in the array's chunk keys."""
     ndim = len(metadata.shape)
@@ -270,6 +370,9 @@ class GdsCodecPipeline(CodecPipeline):
         call per batch), or copied to the host for zarr's codecs when the array's codecs
         have no batched encoder."""
         array = value.as_ndarray_like()
+        if isinstance(array, DeviceValues):  # as xarray_gds.to_zarr hands them to xarray
+            array = array.values
+            value = type(value).from_ndarray_like(array)
         batch = list(batch_info)
         if not batch:
             return

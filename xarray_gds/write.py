@@ -9,31 +9,37 @@ xarray still does everything it does for any Zarr write (metadata, CF encoding,
 modes, regions, appends, consolidated metadata, ``compute=False``); the arrays it
 opens write through :class:`~xarray_gds.pipeline.GdsCodecPipeline`, which encodes
 device values on the GPU in batches (nvCOMP) and writes each chunk file whole. Device
-variables reach it as dask arrays of CuPy blocks (a CuPy array becomes one block), so
-that xarray's CF encoding runs on them lazily. Host variables are written by
-zarr-python's codecs, the bytes ``engine="zarr"`` writes (through zarr's fused
-pipeline where the store allows: see ``GdsCodecPipeline._host_writer``).
+values reach xarray as they are, wrapped in :class:`~xarray_gds.pipeline.DeviceValues`
+so that xarray's CF encoding runs on them on the device (lazily loaded engine
+variables are read first, on the device); no dask is needed unless the dataset has
+dask variables of its own or ``compute=False`` asks for a delayed write. Host
+variables are written by zarr-python's codecs, the bytes ``engine="zarr"`` writes
+(through zarr's fused pipeline where the store allows: see
+``GdsCodecPipeline._host_writer``).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import xarray as xr
 from zarr.abc.store import Store
+from zarr.storage import LocalStore
 
 from xarray_gds import device as _device
 from xarray_gds.chunks import GdsDaskManager, device_of
 from xarray_gds.deferred import HeldMetadataStore
-from xarray_gds.pipeline import writing_to
+from xarray_gds.pipeline import DeviceValues, writing_to
 from xarray_gds.stores import open_target, source_for
 from xarray_gds.stores.lock import DEFAULT_TIMEOUT
 from xarray_gds.stores.urls import write_error
 
-__all__ = ["for_device_write", "to_zarr"]
+__all__ = ["for_device_write", "for_direct_write", "to_zarr"]
 
 _LEVELS = ("host", "gpu")
+_DASK_EXTRA = 'pip install ".[dask]"'
 
 
 def _one_block(var: xr.Variable) -> Any:
@@ -51,7 +57,8 @@ def _one_block(var: xr.Variable) -> Any:
 
 def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
     """``ds`` with every device variable that is not a dask array yet as a one-block
-    dask array of CuPy values.
+    dask array of CuPy values (the values of a ``compute=False`` write, written when
+    the delayed write is computed).
 
     Returns
     -------
@@ -72,34 +79,57 @@ def for_device_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
     return out, user_dask
 
 
-def _write(prepared: xr.Dataset, store: Any, ds: xr.Dataset, kwargs: dict[str, Any]) -> Any:
-    """``prepared.to_zarr(store, **kwargs)``, the one-block dask variables that
-    :func:`for_device_write` made of ``ds``'s device values computed in this process
-    (dask's threads). Those graphs are the engine's, not the user's: on a
-    ``distributed`` cluster that happens to be dask's default scheduler, each worker
-    would write into its own copy of an in-memory store or of an Icechunk session, and
-    the write would be lost (with them, the user's own dask variables of the same write
-    are computed here too). A write of the user's dask variables only, or with
-    ``compute=False``, runs where the user's scheduler runs it, as with xarray: on a
-    cluster of worker processes, each task writes its chunks into the store it holds,
-    which :class:`~xarray_gds.deferred.HeldMetadataStore` pickles as the store written
-    (its metadata stays held in this process and is written after the tasks)."""
-    made_here = any(
-        _is_dask(var._data) and not _is_dask(ds.variables[name]._data)
-        for name, var in prepared.variables.items()
-    )
+def for_direct_write(ds: xr.Dataset) -> tuple[xr.Dataset, bool]:
+    """``ds`` with the values of every device variable that is not a dask array in
+    device memory, wrapped in :class:`~xarray_gds.pipeline.DeviceValues` (the values
+    of a write that xarray makes at once). No dask is imported.
+
+    Lazily loaded engine variables are read on the device here, each whole, as
+    xarray reads lazily loaded variables for a write (before any chunk is written);
+    ``ds`` itself keeps them lazy (nothing is cached in it).
+
+    Returns
+    -------
+    (dataset, user_dask)
+        The dataset (attributes and encodings kept) and whether ``ds`` has dask
+        variables of its own.
+    """
+    user_dask = False
+    out = ds.copy(deep=False)
+    for name, var in ds.variables.items():
+        data: Any = var._data
+        if name in ds.indexes or var.ndim == 0:
+            continue
+        if _is_dask(data):
+            user_dask = True
+        elif device_of(data) == "cuda":
+            values = data if _device.is_device_array(data) else var[...].load().data
+            wrapped: Any = DeviceValues(values)
+            out[name] = var.copy(data=wrapped, deep=False)
+    return out, user_dask
+
+
+def _write(prepared: xr.Dataset, store: Any, kwargs: dict[str, Any]) -> Any:
+    """``prepared.to_zarr(store, **kwargs)``. A write with ``compute=True`` whose tasks
+    all run in this process (no dask variables, or dask's scheduler is its threads or
+    none) says so to a :class:`~xarray_gds.deferred.HeldMetadataStore`, which then
+    removes the chunks it recorded after a failure, never by listing. Otherwise, as
+    with xarray, the dask variables are written where the user's scheduler runs them:
+    on a cluster of worker processes, each task writes its chunks into the store it
+    holds, which :class:`~xarray_gds.deferred.HeldMetadataStore` pickles as the store
+    written (its metadata stays held in this process and is written after the tasks)."""
     computed = kwargs.get("compute", True)
-    if isinstance(store, HeldMetadataStore) and computed and (made_here or _local_scheduler()):
+    if isinstance(store, HeldMetadataStore) and computed and _runs_here(prepared):
         store.runs_here()
-    if not made_here or not computed:
-        return prepared.to_zarr(store, **kwargs)
-    delayed = prepared.to_zarr(store, **{**kwargs, "compute": False})
-    return delayed.compute(scheduler="threads")
+    return prepared.to_zarr(store, **kwargs)
 
 
-def _local_scheduler() -> bool:
-    """Whether dask computes in this process now (its threads or none; not a
-    ``distributed`` client, not its process pool)."""
+def _runs_here(ds: xr.Dataset) -> bool:
+    """Whether every write task of ``ds`` runs in this process: it has no dask
+    variables (dask is not imported then), or dask computes in this process now (its
+    threads or none; not a ``distributed`` client, not its process pool)."""
+    if not any(_is_dask(var._data) for var in ds.variables.values()):
+        return True
     import dask.base
     import dask.local
     import dask.threaded
@@ -109,6 +139,19 @@ def _local_scheduler() -> bool:
 
 def _is_dask(data: Any) -> bool:
     return hasattr(data, "dask") and hasattr(data, "map_blocks")
+
+
+def _require_dask() -> None:
+    """Raise ImportError, naming the extra, when dask cannot be imported."""
+    try:
+        import dask  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "xarray_gds.to_zarr(..., compute=False) returns a dask.delayed.Delayed, as "
+            f"Dataset.to_zarr does, and needs dask: install it ({_DASK_EXTRA} in a "
+            "checkout of xarray-gds), or write with compute=True (the default), which "
+            "needs no dask."
+        ) from err
 
 
 def to_zarr(
@@ -132,7 +175,8 @@ def to_zarr(
         (those and zarr Store objects) is wrapped in
         :class:`~xarray_gds.deferred.HeldMetadataStore`, which holds the writer lock,
         writes the metadata after the chunks it describes and cleans up after a
-        failed write. An Icechunk session's store
+        failed write (a directory the write made is removed again if it is left
+        empty). An Icechunk session's store
         (``session.store``) is written as zarr writes it: Icechunk checks chunk keys
         against the metadata, and the session's commit publishes the write whole (or
         nothing, if it is never committed).
@@ -158,6 +202,13 @@ def to_zarr(
     Whatever ``Dataset.to_zarr`` returns (a ``dask.delayed.Delayed`` with
     ``compute=False``).
 
+    Raises
+    ------
+    ImportError
+        With ``compute=False`` when dask is not installed (``pip install ".[dask]"``
+        in a checkout). A write with ``compute=True`` of a dataset without dask
+        variables needs no dask.
+
     Notes
     -----
     Device values of arrays whose codecs have no GPU encoder (a compressor or option
@@ -168,18 +219,34 @@ def to_zarr(
     """
     if levels not in _LEVELS:
         raise ValueError(f"levels must be one of {_LEVELS}, not {levels!r}")
+    prepared = _prepared(ds, kwargs)
     store = _opened(store, kwargs)
+    if not isinstance(store, Store):
+        store = _as_store(store, kwargs.pop("storage_options", None))
+    if source_for(store).commits:
+        return _write_committed(prepared, store, kwargs, levels)
+    made = _missing_dirs(store)
+    try:
+        return _write_held(prepared, store, kwargs, levels, lock_timeout)
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def _prepared(ds: xr.Dataset, kwargs: dict[str, Any]) -> xr.Dataset:
+    """``ds`` as xarray is given it: device values wrapped for a write made at once
+    (:func:`for_direct_write`), as one-block dask arrays for a ``compute=False`` write
+    (:func:`for_device_write`, which needs dask)."""
+    if kwargs.get("compute", True):
+        return for_direct_write(ds)[0]
+    _require_dask()
     prepared, user_dask = for_device_write(ds)
     if not user_dask:
         # every dask variable is one of the one-block ones made here: one task writes
         # each variable, so no two tasks share a chunk (xarray's check would refuse
         # region writes that start inside a chunk, which it allows for numpy values)
         kwargs.setdefault("safe_chunks", False)
-    if not isinstance(store, Store):
-        store = _as_store(store, kwargs.pop("storage_options", None))
-    if source_for(store).commits:
-        return _write_committed(prepared, store, ds, kwargs, levels)
-    return _write_held(prepared, store, ds, kwargs, levels, lock_timeout)
+    return prepared
 
 
 def _opened(store: Any, kwargs: dict[str, Any]) -> Any:
@@ -193,15 +260,40 @@ def _opened(store: Any, kwargs: dict[str, Any]) -> Any:
     return store
 
 
+def _missing_dirs(store: Store) -> list[Path]:
+    """The directories a write into the local store ``store`` makes (its root and the
+    missing ones above it, deepest first); none for other stores."""
+    if not isinstance(store, LocalStore):
+        return []
+    missing = []
+    path = Path(store.root).absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the directories ``dirs`` (deepest first) that a failed write made and
+    left empty; one that holds anything stays, with those above it."""
+    for path in dirs:
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: another writer's data, or what this one could not remove
+            return
+
+
 def _write_committed(
-    prepared: xr.Dataset, store: Store, ds: xr.Dataset, kwargs: dict[str, Any], levels: str
+    prepared: xr.Dataset, store: Store, kwargs: dict[str, Any], levels: str
 ) -> Any:
     """The write into a store whose commit publishes it (an Icechunk session): its
     commit is the all-or-nothing guarantee, and it checks chunk keys against the
     metadata, so everything is written in the order zarr writes it, nothing held back."""
     try:
         with writing_to(store, levels):
-            return _write(prepared, store, ds, kwargs)
+            return _write(prepared, store, kwargs)
     except Exception as err:
         err.add_note(_uncommitted_note(store))
         raise
@@ -210,7 +302,6 @@ def _write_committed(
 def _write_held(
     prepared: xr.Dataset,
     store: Store,
-    ds: xr.Dataset,
     kwargs: dict[str, Any],
     levels: str,
     lock_timeout: float | None,
@@ -225,7 +316,7 @@ def _write_held(
     try:
         try:
             with writing_to(held, levels):
-                result = _write(prepared, held, ds, kwargs)
+                result = _write(prepared, held, kwargs)
         except BaseException:
             held.discard()
             raise
