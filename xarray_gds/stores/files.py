@@ -377,20 +377,39 @@ def _read_kvikio(reads: list[tuple[Any, int, int, int]], arena: Any) -> None:
     # process's file descriptors); all reads of a window are in flight together
     for first in range(0, len(reads), _OPEN_FILES):
         handles: dict[Any, Any] = {}
+        futures: list[tuple[Any, int, Any]] = []
+        failed: OSError | None = None
         try:
-            futures = []
             for path, at, start, size in reads[first : first + _OPEN_FILES]:
                 f = handles.get(path)
                 if f is None:
                     f = handles[path] = kvikio.CuFile(path, "r")
                 futures.append((path, size, f.pread(arena[start : start + size], size, at)))
-            for path, size, future in futures:
-                got = future.get()
-                if got != size:
-                    raise _short_read(path, got, size)
-        finally:
-            for f in handles.values():
-                f.close()
+        finally:  # every read issued ends before its file closes and the arena can go back
+            try:
+                failed = _wait_reads(futures)
+            finally:
+                for f in handles.values():
+                    f.close()
+        if failed is not None:
+            raise failed
+
+
+def _wait_reads(futures: list[tuple[Any, int, Any]]) -> OSError | None:
+    """Wait for every kvikio read ``(path, size, future)``, even after one failed: the
+    first one's error (naming its file), or None when all came back whole."""
+    failed: OSError | None = None
+    for path, size, future in futures:
+        try:
+            got = future.get()
+        except Exception as err:
+            if failed is None:
+                failed = OSError(f"cannot read {path}: {err}")
+                failed.__cause__ = err
+            continue
+        if got != size and failed is None:
+            failed = _short_read(path, got, size)
+    return failed
 
 
 def _pinned_size(nbytes: int) -> int:
