@@ -56,8 +56,7 @@ ORDERINGS: tuple[Ordering, ...] = (
         "decode.py",
         _WAIT,
         0,
-        "staged copies wait for the current stream before writing rows CuPy's pool "
-        "handed out (a block another read freed may still be written there)",
+        "the copy stream waits for the current stream before it writes rows CuPy's pool handed out",
         _STRESS,
     ),
     Ordering(
@@ -65,8 +64,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "decode.py",
         _SYNC,
         0,
-        "host-decoded rows are copied before their pinned lease goes back and before "
-        "the current stream's filters read them",
+        "the rows' copies end before their pinned lease goes back and before the current "
+        "stream's filters read them",
         _STRESS,
     ),
     Ordering(
@@ -74,7 +73,7 @@ ORDERINGS: tuple[Ordering, ...] = (
         "decode.py",
         _SYNC,
         1,
-        "the host share of a split decode is copied before its pinned lease goes back",
+        "the copies of the host's share end before its pinned lease goes back",
         _STRESS,
     ),
     Ordering(
@@ -82,17 +81,27 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/nvcomp.py",
         _WAIT,
         0,
-        "nvCOMP's decode lane waits for the reads and for the current stream's users of "
-        "the output block",
+        "nvCOMP's lane waits for the reads and gathers that wrote its inputs, and for the "
+        "current stream's users of the output block",
         _STRESS,
+    ),
+    Ordering(
+        "decode-final-sync",
+        "codecs/nvcomp.py",
+        _SYNC,
+        1,
+        "the decode ends before its rows go back to the current stream (nvCOMP's "
+        "buffer_sizes waits too)",
+        ("tests/test_orderings.py::test_ordering[decode-final-sync]",),
+        device=False,
     ),
     Ordering(
         "decode-error-sync",
         "codecs/nvcomp.py",
         _SYNC,
         2,
-        "a failed decode's lane ends before its buffers go back to CuPy's pool",
-        ("tests/test_orderings.py",),
+        "a failed decode ends before its error is raised and its buffers go back to CuPy's pool",
+        ("tests/test_orderings.py::test_ordering[decode-error-sync]",),
         device=False,
     ),
     Ordering(
@@ -100,16 +109,25 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/nvcomp.py",
         _WAIT,
         1,
-        "nvCOMP's encode lane waits for the kernels that compute the values it encodes",
+        "nvCOMP's encode lane waits for the kernels that compute what it encodes",
         _STRESS,
+    ),
+    Ordering(
+        "encode-retry-sync",
+        "codecs/nvcomp.py",
+        _SYNC,
+        3,
+        "an encode that found its rows too small ends before they go back to CuPy's pool",
+        ("tests/test_orderings.py::test_ordering[encode-retry-sync]",),
+        device=False,
     ),
     Ordering(
         "encode-final-sync",
         "codecs/nvcomp.py",
         "stream.synchronize()  # nothing goes back to CuPy's pool while nvCOMP uses it",
         0,
-        "an encode's lane ends before its inputs and scratch go back to CuPy's pool",
-        ("tests/test_orderings.py",),
+        "an encode (one that failed too) ends before its inputs and scratch go back to CuPy's pool",
+        ("tests/test_orderings.py::test_ordering[encode-final-sync]",),
         device=False,
     ),
     Ordering(
@@ -117,8 +135,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/nvcomp.py",
         _SYNC,
         0,
-        "after nvCOMP runs out of memory, its lane ends before CuPy's pool frees its cached blocks",
-        ("tests/test_orderings.py",),
+        "after nvCOMP ran out of memory, its lane ends before CuPy's pool frees its cached blocks",
+        ("tests/test_orderings.py::test_ordering[oom-retry-sync]",),
         device=False,
     ),
     Ordering(
@@ -150,8 +168,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "stores/remote_device.py",
         "cp.cuda.get_current_stream().synchronize()",
         0,
-        "kvikio's remote reads write the arena only after the current stream's users",
-        ("tests/test_orderings.py",),
+        "kvikio's remote reads write the arena only after the current stream's users of that block",
+        ("tests/test_orderings.py::test_ordering[remote-waits-current]",),
         device=False,
     ),
     Ordering(
@@ -159,8 +177,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/crc32c.py",
         _WAIT,
         0,
-        "the CRC32C lane waits for the kernels that write the chunks it sums",
-        ("tests/test_orderings.py",),
+        "the CRC-32C lane waits for the writes of the chunks it sums",
+        ("tests/test_orderings.py::test_ordering[crc-lane-waits]",),
         device=False,
     ),
     Ordering(
@@ -168,8 +186,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/crc32c.py",
         "stream.synchronize()  # the tables go back to CuPy's pool only after the kernel",
         0,
-        "the CRC32C kernel ends before its tables go back to CuPy's pool",
-        ("tests/test_orderings.py",),
+        "the CRC-32C kernel ends before its tables go back to CuPy's pool",
+        ("tests/test_orderings.py::test_ordering[crc-final-sync]",),
         device=False,
     ),
     Ordering(
@@ -177,7 +195,7 @@ ORDERINGS: tuple[Ordering, ...] = (
         "loader/prefetch.py",
         "_device.cupy().cuda.get_current_stream().synchronize()",
         0,
-        "a prefetched batch is whole before a consumer on another stream takes it",
+        "a prefetched batch is whole before the thread hands it to a consumer on another stream",
         _STRESS,
     ),
 )
