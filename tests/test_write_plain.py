@@ -211,6 +211,7 @@ def test_device_values_stay_wrapped_through_numpy_calls() -> None:
 def test_device_values_with_dask_variables_of_the_user(tmp_path: Path) -> None:
     """Device values beside the user's dask variables: written at once, the dask ones
     by dask, as xarray writes numpy values beside dask ones."""
+    pytest.importorskip("dask")
     given = Counter[str]()
     original = (xarray_gds.write.device_of, xarray_gds.pipeline.GdsCodecPipeline.write)
     try:
