@@ -243,6 +243,8 @@ class DeviceValues(NDArrayOperatorsMixin):
         return _wrapped(result)
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func is np.result_type:  # numpy's promotion of the dtypes (NEP 50: the same)
+            return np.result_type(*(a.dtype if isinstance(a, DeviceValues) else a for a in args))
         return _wrapped(func(*_unwrapped(args), **_unwrapped(kwargs)))
 
 
