@@ -29,7 +29,7 @@ find_python() {  # find_python [X.Y]: an interpreter >= 3.12, that version when 
       fi
     done
   fi
-  echo "error: Python ${want:->= 3.12} not found (zarr >= 3.2 needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
+  echo "error: Python ${want:->= 3.12} not found (zarr >= 3.3 needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
   exit 1
 }
 

@@ -3,7 +3,7 @@
 # checks, the pre-commit hooks, the sdist and wheel (scripts/build-check.sh), tests.
 # GPU tests are skipped without a GPU; XARRAY_GDS_REQUIRE_GPU=1 makes them fail instead.
 source "$(dirname "$0")/_env.sh"
-setup_venv "test,docs,virtual,dev"
+setup_venv "test,docs,dev"
 ensure_nginx
 
 set -x

@@ -22,6 +22,11 @@ REQUIRE_GPU = os.environ.get("XARRAY_GDS_REQUIRE_GPU", "") not in ("", "0")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # a test of an optional feature skips, naming the package, on the base install
+    # (scripts/test-min.sh): @pytest.mark.needs("dask"), on a test or a parameter
+    for marker in item.iter_markers("needs"):
+        for module in marker.args:
+            pytest.importorskip(module)
     if item.get_closest_marker("gpu") is None:
         return
     ok, reason = cuda_status()

@@ -133,6 +133,7 @@ def _on(writer: str, ds: xr.Dataset, monkeypatch: pytest.MonkeyPatch) -> xr.Data
     if writer in ("batched", "dask"):
         monkeypatch.setenv("XARRAY_GDS_BATCHED_HOST_WRITES", "1")
     if writer == "dask":  # one dask task per variable, as the GPU writes run: concurrently
+        pytest.importorskip("dask")
         return ds.chunk({d: -1 for d in ds.dims})
     if writer != "cuda":
         return ds

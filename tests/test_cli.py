@@ -504,6 +504,7 @@ def test_bench_repeat_below_one_is_a_usage_error(
     assert "--repeat" in err and ("must be 1 or more" in err or "whole number" in err)
 
 
+@pytest.mark.needs("obstore")
 def test_unreachable_store_is_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
@@ -642,6 +643,7 @@ def test_bench_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "xarray_gds/array.py" in text and "__getitem__" in text
 
 
+@pytest.mark.needs("dask")
 def test_bench_shard_chunks_are_one_block_a_shard(tmp_path: Path) -> None:
     """usage-sharded-shards' chunks= gives dask blocks of exactly one shard each."""
     from xarray_gds.tools import bench
@@ -750,10 +752,10 @@ def test_bench_skips_cases_whose_packages_are_missing(
     assert cli.main([*argv, "--repeat", "1", "--dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if ": skipped: " in line] == [
-        'host-netcdf-refs: skipped: needs netCDF4 (the test extra: pip install ".[test]" '
+        'host-netcdf-refs: skipped: needs netCDF4 (the bench extra: pip install ".[bench]" '
         "in a checkout)",
-        "host-icechunk-virtual: skipped: needs netCDF4, virtualizarr (the test and "
-        'virtual extras: pip install ".[test,virtual]" in a checkout)',
+        "host-icechunk-virtual: skipped: needs netCDF4, virtualizarr (the bench and "
+        'virtual extras: pip install ".[bench,virtual]" in a checkout)',
     ]
     assert sum(line.startswith("| host-zstd-4MB | ") for line in lines) == 4  # row, all
     assert list(tmp_path.iterdir()) == []

@@ -92,6 +92,7 @@ def _run_all(jobs: list[Callable[[], Any]]) -> None:
         raise errors[0]
 
 
+@pytest.mark.needs("dask")
 def test_mixed_engine_readers_never_hang(v3_store: Path) -> None:
     assert _default_workers() < READERS
     reference = zarr.open_group(v3_store, mode="r")["t2m"][...]

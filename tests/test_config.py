@@ -141,6 +141,7 @@ print(json.dumps([before, after_others, after_ours, "xarray_gds.tools" in sys.mo
 """
 
 
+@pytest.mark.needs("dask")
 def test_import_and_other_engines_leave_dask_alone(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", _SIDE_EFFECTS, str(tmp_path)],

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import dask.array  # noqa: F401
 import numpy as np
 import pytest
 import xarray as xr
@@ -16,6 +15,8 @@ from xarray_gds import GdsStore
 from xarray_gds.array import GdsBackendArray
 
 from .conftest import sample_dataset
+
+pytest.importorskip("dask.array")  # the dask extra
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),

@@ -150,6 +150,7 @@ def test_failure_waits_for_running_chunk_writes(
         assert sorted(p.name for p in (tmp_path / "s.zarr" / "q" / "c").iterdir()) == ["0"]
 
 
+@pytest.mark.needs("fsspec")
 def test_failure_on_a_remote_store_removes_the_new_arrays_chunks() -> None:
     """Stores where asking whether a key exists costs a request (fsspec's, here over
     its memory file system) record no existence: a failed write removes the chunks
@@ -343,6 +344,7 @@ def test_shard_truncated_between_its_index_and_its_read_names_the_chunk(
     xr.testing.assert_identical(ds.u10.load(), ref.u10.load())
 
 
+@pytest.mark.needs("dask")
 def test_a_failed_threaded_dask_write_keeps_what_was_below_a_new_array(
     tmp_path: Path,
 ) -> None:

@@ -14,6 +14,11 @@ above the block):
     <!-- doc-test: skip reason=WHY -->          never run here, for the reason given
     <!-- doc-test: needs=torch,matplotlib -->   skipped when a package is missing
 
+A page whose examples need extras of ``pyproject.toml`` says so near its top, on the
+line after the mark ``<!-- doc-test: page extras=dask,refs -->``: its blocks run where
+every package of those extras is installed, and the page is skipped elsewhere (the base
+install of ``scripts/test-min.sh``, where every other page runs).
+
 A shell block with any other command (an install, ``bash scripts/...``) must be marked
 ``skip``; ``text``, ``markdown`` and ``mermaid`` blocks are not code. An unmarked block
 that fails fails its page's test, and ``test_marked_block`` lists each skipped block
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib.metadata
 import importlib.util
 import io
 import os
@@ -33,6 +39,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +57,7 @@ from xarray_gds.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 #: languages of blocks that are not code to run
 NOT_CODE = {"text", "markdown", "mermaid"}
@@ -59,6 +67,50 @@ _FENCE = re.compile(
     r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
 )
 _MARK = re.compile(r"<!--\s*doc-test:\s*(?P<mark>.*?)\s*-->")
+_PAGE_MARK = re.compile(r"^<!-- doc-test: page extras=(?P<extras>[\w,-]+) -->\n(?P<line>.*)$", re.M)
+_REQUIREMENT = re.compile(r"(?P<name>[A-Za-z0-9._-]+)(?:\[(?P<extras>[\w,-]+)\])?")
+
+
+def page_extras(page: Path) -> tuple[list[str], str]:
+    """The extras a page's examples need (its ``page extras=`` mark) and the line after
+    the mark, which names them to the reader; ``([], "")`` without a mark."""
+    found = _PAGE_MARK.search(_FENCE.sub("", page.read_text()))  # not in an example
+    if found is None:
+        return [], ""
+    return found["extras"].split(","), found["line"]
+
+
+def extra_packages(extra: str) -> list[str]:
+    """The distributions that ``extra`` of pyproject.toml installs, the extras it names
+    of the project itself followed."""
+    names: list[str] = []
+    for requirement in EXTRAS[extra]:
+        found = _REQUIREMENT.match(requirement)
+        assert found, requirement
+        if found["name"] == "xarray-gds":
+            for inner in (found["extras"] or "").split(","):
+                names += extra_packages(inner)
+        else:
+            names.append(found["name"])
+    return names
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def why_page_not(page: Path) -> str | None:
+    """Why the examples of ``page`` do not run here (an extra it names is not
+    installed), or None."""
+    for extra in page_extras(page)[0]:
+        missing = [d for d in extra_packages(extra) if not _installed(d)]
+        if missing:
+            return f"needs the {extra} extra ({', '.join(missing)} not installed)"
+    return None
 
 
 @dataclass
@@ -257,12 +309,14 @@ def _isolated() -> Iterator[None]:
     """Settings an example changes (xarray's options, zarr's and dask's configuration,
     warning filters) put back afterwards; the garbage collector off meanwhile (see
     docs/netcdf.md: kerchunk and zarr's event loop thread share h5py's lock)."""
-    import dask
     from xarray.core.options import OPTIONS
 
+    dask = sys.modules.get("dask") or (
+        importlib.import_module("dask") if importlib.util.find_spec("dask") else None
+    )
     xr_options = dict(OPTIONS)
     zarr_config = copy.deepcopy(zarr.config.config)
-    dask_config = copy.deepcopy(dask.config.config)
+    dask_config = copy.deepcopy(dask.config.config) if dask is not None else None
     gc.disable()
     try:
         with warnings.catch_warnings():
@@ -274,8 +328,9 @@ def _isolated() -> Iterator[None]:
         OPTIONS.update(xr_options)
         zarr.config.config.clear()
         zarr.config.config.update(zarr_config)
-        dask.config.config.clear()
-        dask.config.config.update(dask_config)
+        if dask is not None:
+            dask.config.config.clear()
+            dask.config.config.update(dask_config)
 
 
 # --------------------------------------------------------------------------------------
@@ -337,6 +392,9 @@ def run_page(page: Path) -> int:
 
 @pytest.mark.parametrize("page", _page_ids())
 def test_page_blocks_run(page: str, doc_stores: Path) -> None:
+    why = why_page_not(ROOT / page)
+    if why is not None:
+        pytest.skip(why)
     ran = run_page(ROOT / page)
     if not [b for b in blocks(ROOT / page) if b.lang not in NOT_CODE]:
         pytest.skip("no code blocks")
@@ -374,6 +432,29 @@ def test_marked_block(block: Block) -> None:
     why = block.why_not()
     if why is not None:
         pytest.skip(why)
+
+
+def test_pages_name_the_extras_their_examples_need() -> None:
+    """The line after a page's ``page extras=`` mark names each extra and the command
+    that installs them, in a checkout; each is an extra of pyproject.toml. The pages
+    whose examples need extras are marked; every other page runs on the base install."""
+    marked = {}
+    for page in PAGES:
+        extras, line = page_extras(page)
+        if not extras:
+            continue
+        marked[str(page.relative_to(ROOT))] = extras
+        assert set(extras) <= set(EXTRAS), (page, extras)
+        assert f'`pip install ".[{",".join(extras)}]"`' in line, (page, line)
+        assert all(f"`{extra}`" in line for extra in extras), (page, line)
+    assert marked == {
+        "docs/dask.md": ["dask"],
+        "docs/icechunk.md": ["icechunk", "dask"],
+        "docs/netcdf.md": ["refs", "dask"],
+        "docs/remote.md": ["remote"],
+    }
+    assert why_page_not(ROOT / "docs" / "config.md") is None
+    assert extra_packages("dask") == ["dask", "distributed"]
 
 
 def test_every_block_is_code_or_marked() -> None:

@@ -410,6 +410,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         thread.join()
 
 
+@pytest.mark.needs("fsspec", "aiohttp")
 def test_remote_references_read_over_http(
     monkeypatch: pytest.MonkeyPatch, served: tuple[Path, str]
 ) -> None:

@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import dask.array as da
 import numcodecs
 import numpy as np
 import pandas as pd
@@ -97,12 +96,14 @@ def _calls(case: str, pattern: str) -> list[tuple[xr.Dataset, dict[str, Any]]]:
             (_dataset(b - a, a), {"append_dim": "time"}) for a, b in itertools.pairwise(edges[1:])
         ]
     if pattern == "region":  # a template, then its regions
+        da = pytest.importorskip("dask.array")
         template = ds.copy(data={v: da.zeros_like(ds[v].data) for v in ds.data_vars})
         regions = [slice(a, min(b, 8)) for a, b in itertools.pairwise(edges)]
         return [(template, {**first, "compute": False})] + [
             (ds.isel(time=r).drop_vars("time"), {"region": {"time": r}}) for r in regions
         ]
     if pattern == "dask":
+        pytest.importorskip("dask")
         return [(ds.chunk({"time": 4}), first)]
     raise AssertionError(pattern)
 

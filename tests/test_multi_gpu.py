@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import dask.array  # noqa: F401
-import distributed
 import numpy as np
 import pytest
 import xarray as xr
@@ -31,6 +29,9 @@ import zarr
 from xarray_gds import fuse
 
 from .conftest import sample_dataset, write_store
+
+pytest.importorskip("dask.array")  # the dask extra
+distributed = pytest.importorskip("distributed")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),

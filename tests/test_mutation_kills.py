@@ -529,6 +529,7 @@ def test_tidy_in_every_key_layout(tmp_path: Path, layout: str) -> None:
 
 
 # -- write.py -------------------------------------------------------------------------------
+@pytest.mark.needs("dask")
 def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
     tmp_path: Path,
 ) -> None:
@@ -556,6 +557,7 @@ def test_a_users_dask_region_write_across_chunks_is_refused_as_xarray_refuses(
     xr.testing.assert_identical(stores["ours"], ds)
 
 
+@pytest.mark.needs("dask")
 def test_a_users_dask_chunks_across_zarr_chunks_are_refused_as_xarray_refuses(
     tmp_path: Path,
 ) -> None:
@@ -685,6 +687,7 @@ def test_a_failed_writes_clean_up_removes_empty_directories_below_the_root_only(
 
 
 # -- deferred.py ----------------------------------------------------------------------------
+@pytest.mark.needs("fsspec")
 def test_a_failed_write_keeps_chunks_of_existing_arrays_below_new_group_documents() -> None:
     """deferred ``return False`` -> ``return True`` (``.zattrs``/``.zgroup`` taken for an
     array's metadata): a failed write that made a new group document (the root's
@@ -819,6 +822,7 @@ def test_box_reads_of_many_rows_of_tall_chunks(
 
 
 # -- sources.py -----------------------------------------------------------------------------
+@pytest.mark.needs("aiohttp")  # engine="zarr" reads URLs through fsspec's HTTP
 def test_whole_chunk_objects_over_http_on_the_host(tmp_path: Path, v3_store: Path) -> None:
     """sources ``if not on_device`` -> ``if not not on_device`` (``RemoteSource.read_all``):
     unsharded chunks of a store served over HTTP, each a whole object, read on the host
@@ -834,6 +838,7 @@ def test_whole_chunk_objects_over_http_on_the_host(tmp_path: Path, v3_store: Pat
         xr.testing.assert_identical(gds.load(), ref.load())
 
 
+@pytest.mark.needs("fsspec")
 @pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning")
 def test_references_to_a_sharded_v3_store(tmp_path: Path) -> None:
     """sources ``None if ref is None else narrow(...)`` -> ``None if not ref is None ...``

@@ -358,3 +358,100 @@ def test_gpu_nginx_takes_no_half_bundle_for_a_bundle(tmp_path: Path, missing: st
     assert done.returncode != 0
     assert "no dynamic loader" in done.stderr
     assert not (target / "nginx").exists()
+
+
+# --- the extras and the lanes of CI ---------------------------------------------------
+
+FEATURES = ["dask", "refs", "icechunk", "remote", "virtual", "xbatcher", "fast-host"]
+
+
+def _requirement(text: str) -> tuple[str, str]:
+    """``(name, lower bound)`` of a requirement such as ``"dask[array]>=2024.8"``."""
+    found = re.fullmatch(r"([\w.-]+)(?:\[[\w,-]+\])?(?:>=([\w.]+))?", text)
+    assert found, text
+    return found[1], found[2] or ""
+
+
+def test_extras_by_feature_and_the_tools_built_from_them() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) == {
+        *FEATURES,
+        "all",
+        "cuda12",
+        "cuda13",
+        "test-base",
+        "test",
+        "docs",
+        "dev",
+        "bench",
+    }
+    assert extras["all"] == [f"xarray-gds[{','.join(FEATURES)}]"]
+    # the suite's extra: every feature and the runner, then what the tests compare with
+    assert extras["test"][0] == "xarray-gds[all,test-base]"
+    assert [_requirement(r)[0] for r in extras["test-base"]] == [
+        "pytest",
+        "pytest-asyncio",
+        "pytest-timeout",
+        "hypothesis",
+    ]
+    tools = {_requirement(r)[0] for e in ("test-base", "test", "docs", "dev") for r in extras[e]}
+    for feature in FEATURES:  # a user's extra brings no test or docs tool
+        assert not {_requirement(r)[0] for r in extras[feature]} & tools - {"h5py"}, feature
+
+
+def test_readme_lists_every_feature_extra() -> None:
+    rows = re.findall(r"^\| `([\w-]+)` \| ", _section("Install"), flags=re.M)
+    assert rows == [*FEATURES, "all"]
+    assert 'pip install ".[refs]" in a checkout of xarray-gds' in _section("Install")
+
+
+def test_lowest_pins_are_the_lower_bounds() -> None:
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints" / "min.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    bounds = dict(
+        _requirement(r)
+        for r in [*PYPROJECT["project"]["dependencies"], *extras["dask"], *extras["fast-host"]]
+    )
+    assert {name: pins[name] for name in bounds} == {
+        name: bound + ".0" * (2 - bound.count(".")) for name, bound in bounds.items()
+    }
+    assert set(pins) - set(bounds) == {"pandas"}  # what xarray needs, not a bound of ours
+
+
+def _lines(path: Path) -> list[str]:
+    """A script's lines, without comments (the shebang among them) and blank lines."""
+    return [
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def test_ci_runs_the_readme_demo_then_both_lanes() -> None:
+    demo = _commands(_section("Run the demo on a fresh machine"))
+    assert _lines(ROOT / ".ci" / "run") == [
+        "set -e",
+        'cd "$(dirname "$0")/.."',
+        *demo,
+        *_commands(_section("Run the tests")),
+        "bash scripts/test-min.sh",
+    ]
+    assert demo == [
+        "bash scripts/demo.sh --dir demo-data",
+        ".venv/bin/xarray-gds info demo-data/weather-small-v3.zarr",
+    ]
+
+
+def test_lowest_lane_runs_the_base_install_then_the_dask_extra() -> None:
+    text = (ROOT / "scripts" / "test-min.sh").read_text()
+    assert re.findall(r"^setup_venv .*$", text, flags=re.M) == [
+        "setup_venv test-base .venv-min 3.12 -c constraints/min.txt"
+    ]
+    assert '-e ".[test-base,dask,fast-host]"' in text
+    assert re.findall(r"^setup_venv .*$", (ROOT / "scripts" / "test.sh").read_text(), re.M) == [
+        'setup_venv "test,docs,dev"'
+    ]

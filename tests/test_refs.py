@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kerchunk.hdf as kerchunk_hdf
 import numpy as np
 import pytest
 import xarray as xr
@@ -30,6 +29,7 @@ from xarray_gds.stores.refs import ReferenceStore, ReferenceTargetError, is_refe
 pytest.importorskip("h5netcdf")  # the reference reader is engine="h5netcdf"
 h5py = pytest.importorskip("h5py")  # the test extra has these; not every GPU image
 netCDF4 = pytest.importorskip("netCDF4")
+kerchunk_hdf = pytest.importorskip("kerchunk.hdf")  # the refs extra
 
 
 @contextlib.contextmanager

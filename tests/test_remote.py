@@ -13,7 +13,6 @@ import sys
 import threading
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 import xarray as xr
@@ -23,7 +22,8 @@ from tests._http import RangeHandler, serve
 from tests._s3 import client as s3_client
 from tests._s3 import loopback_s3, storage_options
 
-s3fs = pytest.importorskip("s3fs")  # the test extra has it; not every GPU image
+s3fs = pytest.importorskip("s3fs")  # the remote extra; not every GPU image
+aiohttp = pytest.importorskip("aiohttp")
 
 KEY = "AKIAXGDSTESTKEY0001"
 SECRET = "xgds-secret-do-not-print-0123456789"

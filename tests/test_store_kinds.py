@@ -105,6 +105,7 @@ class TestAnyStore(StoreKindTests):
         return True
 
 
+@pytest.mark.needs("fsspec")  # the refs extra
 class TestReferences(StoreKindTests):
     """A kerchunk reference set: every object a byte range of one file (the empty one
     inline)."""
@@ -147,6 +148,7 @@ class TestReferences(StoreKindTests):
         )
 
 
+@pytest.mark.needs("obstore")  # the remote extra
 class TestRemote(StoreKindTests):
     """Objects over HTTP (the suite's loopback server), through obstore on the host and
     a kvikio stand-in on the device."""
@@ -181,6 +183,7 @@ class TestRemote(StoreKindTests):
         return stores.RemoteSource.open(url, mode="r", storage_options=self.options).store
 
 
+@pytest.mark.needs("fsspec", "aiohttp")
 class TestRemoteFsspec(TestRemote):
     """The same through fsspec's HTTP filesystem (an option only it takes)."""
 

@@ -203,6 +203,7 @@ def test_failed_write_leaves_whole_chunks(
     assert not list(path.rglob("*.partial"))  # no temporary file left behind
 
 
+@pytest.mark.needs("fsspec")
 def test_which_store_each_target_writes_through(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -270,6 +271,7 @@ def _dask_dataset(fail_block: int | None = None) -> xr.Dataset:
     return xr.Dataset({"t": (("time", "y", "x"), t)}, coords={"time": np.arange(6)})
 
 
+@pytest.mark.needs("dask")
 def test_any_store_gets_its_metadata_last() -> None:
     store = _RecordingStore.make()
     ds = _dask_dataset()
@@ -282,6 +284,7 @@ def test_any_store_gets_its_metadata_last() -> None:
     xr.testing.assert_identical(xr.open_dataset(store, engine="zarr").load(), ds.compute())
 
 
+@pytest.mark.needs("dask")
 def test_failed_write_to_any_store_leaves_it_as_it_was() -> None:
     import dask
 
@@ -302,6 +305,7 @@ def test_failed_write_to_any_store_leaves_it_as_it_was() -> None:
     xr.testing.assert_identical(got, ds.compute())
 
 
+@pytest.mark.needs("dask")
 def test_failed_metadata_write_puts_the_old_back() -> None:
     store = _RecordingStore.make(fail_key="zarr.json")
     ds = _dask_dataset()

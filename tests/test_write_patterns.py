@@ -159,6 +159,7 @@ def _template_then_regions(full: xr.Dataset, enc: dict[str, Any], fmt: int, step
     return calls
 
 
+@pytest.mark.needs("dask")
 @pytest.mark.parametrize("case", list(CODECS))
 def test_template_then_region_writes(
     tmp_path: Path, device: str, host_writer: str, case: str
@@ -177,6 +178,7 @@ def test_template_then_region_writes(
     _same(ours, theirs)
 
 
+@pytest.mark.needs("dask")
 def test_region_auto_and_partial_chunks(tmp_path: Path, device: str, host_writer: str) -> None:
     """``region="auto"`` from the index coordinates; regions that cover a chunk only in
     part merge with what the chunk holds."""
@@ -190,6 +192,7 @@ def test_region_auto_and_partial_chunks(tmp_path: Path, device: str, host_writer
     _both(tmp_path, device, calls)
 
 
+@pytest.mark.needs("dask")
 @pytest.mark.parametrize("case", ["v3-zstd", "v2-blosc"])
 def test_dask_backed_dataset(tmp_path: Path, device: str, host_writer: str, case: str) -> None:
     """A dask-backed dataset (``chunks={}`` of a store, or ``.chunk``) written and
@@ -206,6 +209,7 @@ def test_dask_backed_dataset(tmp_path: Path, device: str, host_writer: str, case
     _both(tmp_path, device, [(lazy, {"encoding": enc, "zarr_format": fmt})])
 
 
+@pytest.mark.needs("dask")
 def test_dask_compute_false_then_compute(tmp_path: Path, device: str, host_writer: str) -> None:
     full = _dataset(4).chunk({"time": 3, "y": 10})
     ours, theirs = tmp_path / "ours.zarr", tmp_path / "theirs.zarr"
@@ -276,6 +280,7 @@ def _region_worker(path: str, blocks: list[int], batched: bool) -> None:
         xarray_gds.to_zarr(part, path, region={"time": slice(2 * k, 2 * k + 2)})
 
 
+@pytest.mark.needs("dask")
 @pytest.mark.parametrize("batched", [False, True])
 def test_region_writes_from_several_processes(tmp_path: Path, batched: bool) -> None:
     """A template, then 3 spawned processes at once, each writing its own regions (one

@@ -196,6 +196,7 @@ def _late_failure(block: np.ndarray, block_info: Any = None) -> np.ndarray:
     return block
 
 
+@pytest.mark.needs("dask")
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_writes_leave_nothing_outside_the_store(tmp_path: Path, fmt: int) -> None:
     """The writer lock lives in the store's root and goes with the write: the folder
@@ -231,6 +232,7 @@ def test_writes_leave_nothing_outside_the_store(tmp_path: Path, fmt: int) -> Non
     xr.testing.assert_identical(xr.open_dataset(path, engine="zarr").load(), want)
 
 
+@pytest.mark.needs("dask")
 @pytest.mark.parametrize("kind", ["gds", "zarr-local"])
 def test_the_lock_file_outlives_clearing_the_store(tmp_path: Path, kind: str) -> None:
     """A ``mode="w"`` write deletes the store's contents but not its lock file: a

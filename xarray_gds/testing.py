@@ -19,6 +19,7 @@ helper, never imported by a read.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import threading
 import types
@@ -420,6 +421,7 @@ class StoreKindTests:
         store = self.writable_store(tmp_path)
         if store is None:
             pytest.skip(f"{self.kind.__name__} is not written through to_zarr here")
+        pytest.importorskip("dask")  # the write fails in one of its dask blocks
         import xarray as xr
 
         import xarray_gds
@@ -464,10 +466,9 @@ class StoreKindTests:
         read = self.reader(tmp_path, written)
         kw: dict[str, Any] = {"consolidated": consolidated, "cache": False}
         gds = {"storage_options": self.read_options(tmp_path), "device": "cpu", **kw}
-        opened = [
-            xr.open_dataset(read, engine="gds-zarr", **gds),
-            xr.open_dataset(read, engine="gds-zarr", chunks={}, **gds),
-        ]
+        opened = [xr.open_dataset(read, engine="gds-zarr", **gds)]
+        if importlib.util.find_spec("dask") is not None:  # through dask: the dask extra
+            opened.append(xr.open_dataset(read, engine="gds-zarr", chunks={}, **gds))
         zarr_read = xr.open_dataset(read, engine="zarr", **kw)
         for want in (first, second):
             if want is second:

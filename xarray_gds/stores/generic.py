@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from xarray_gds import config
+from xarray_gds._optional import need
 from xarray_gds.batch import Fetched
 from xarray_gds.stores.base import Opened, Ranges, Source, WriterLock, on_side
 from xarray_gds.stores.lock import ProcessLock
@@ -56,6 +57,8 @@ class StoreSource(Source):
                 f"zarr.storage.FsspecStore.from_url({target!r}, storage_options=..., "
                 "read_only=True)"
             )
+        scheme = target.split("://", 1)[0]
+        need("fsspec", f"writing to {scheme}:// URLs", "remote")
         from zarr.storage import FsspecStore  # writes go where fsspec takes the URL
 
         store = FsspecStore.from_url(target, storage_options=storage_options, read_only=False)

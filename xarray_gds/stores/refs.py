@@ -29,6 +29,7 @@ import numpy as np
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer
 
+from xarray_gds._optional import need
 from xarray_gds.batch import Fetched, HostBatch, parallel
 from xarray_gds.stores.base import Opened, Ranges, Source
 from xarray_gds.stores.urls import mask_logs, public_url, redact, scrubbed
@@ -246,7 +247,7 @@ class ReferenceStore(Store):
     supports_partial_writes = False
 
     def __init__(self, refs: Any, storage_options: dict[str, Any] | None = None) -> None:
-        import fsspec
+        fsspec = need("fsspec", "reading reference sets")
 
         super().__init__(read_only=True)
         fo = os.fspath(refs) if isinstance(refs, os.PathLike) else refs
@@ -257,6 +258,8 @@ class ReferenceStore(Store):
                 fo = str(Path(local).expanduser().resolve())
         self._spec = (fo, dict(storage_options or {}))
         options = {"skip_instance_cache": True, **self._spec[1]}
+        if isinstance(fo, str) and _is_parquet_refs(Path(fo)):
+            need("fastparquet", "reading Parquet reference sets")
         if isinstance(fo, str) and "remote_protocol" not in options and _is_parquet_refs(Path(fo)):
             options["remote_protocol"] = _parquet_protocol(fo)
         mask_logs()  # fsspec logs the URLs of remote targets, user information and all

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from xarray_gds._optional import missing_message
 from xarray_gds.batch import Fetched, HostBatch
 from xarray_gds.stores import objstore, remote_device
 from xarray_gds.stores.base import Opened, Ranges, on_side, read_joined
@@ -39,7 +40,6 @@ from xarray_gds.stores.urls import (
     is_s3,
     mask_logs,
     public_url,
-    redact,
     with_timeout,
 )
 
@@ -93,11 +93,14 @@ def _open_store(url: str, options: dict[str, Any], read_only: bool) -> tuple[Any
             options = with_timeout(url, options)
             store = FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except ImportError as err:
+        # obstore reads; fsspec's filesystem (s3fs, or aiohttp for HTTP) writes, and reads
+        # where obstore is missing or cannot take the options: the remote extra has both
+        missing = (err.name or ("s3fs" if is_s3(url) else "aiohttp")).split(".")[0]
+        if read_only and not objstore.available():
+            missing = "obstore"  # the engine's client for reads
+        action = "reading" if read_only else "writing to"
         failure = ImportError(
-            f"reading {public_url(url)!r} needs fsspec's filesystem for it "
-            f"({redact(str(err), options, url)}); install obstore (the remote extra: "
-            "pip install 'xarray-gds[remote]'), or install s3fs for s3:// URLs or aiohttp "
-            "for http(s):// URLs"
+            missing_message(missing, f"{action} {public_url(url)!r}", "remote"), name=missing
         )
     except Exception as err:
         failure = classified(url, options, err) or err

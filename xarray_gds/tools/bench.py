@@ -29,6 +29,7 @@ import xarray as xr
 import zarr
 import zarr.codecs as zc
 
+from xarray_gds import _optional
 from xarray_gds import device as _device
 from xarray_gds.tools import (
     bench_cluster,
@@ -54,22 +55,15 @@ __all__ = [
     "skip_reason",
 ]
 
-#: the extra of pyproject.toml that installs each optional package a case imports
+#: the extra of pyproject.toml that installs each optional package a case imports: the
+#: feature's extra, or the bench extra for what only the benchmarks use (NetCDF4 files
+#: written and read by the other engines, the loopback S3 server)
 EXTRAS = {
-    "dask": "test",
-    "distributed": "test",
-    "netCDF4": "test",
-    "h5netcdf": "test",
-    "h5py": "test",
-    "kerchunk": "test",
-    "icechunk": "test",
-    "s3fs": "test",
-    "moto": "test",
-    "boto3": "test",
-    "aiohttp": "test",
-    "virtualizarr": "virtual",
-    "obspec_utils": "virtual",
-    "obstore": "remote",
+    **_optional.EXTRAS,
+    "netCDF4": "bench",
+    "h5netcdf": "bench",
+    "moto": "bench",
+    "boto3": "bench",
 }
 
 # the optional packages (import names) of the cases, their "needs"
@@ -185,7 +179,7 @@ def install_hint(packages: list[str]) -> str:
     hints = []
     if extras:
         which = " and ".join(extras) + (" extras" if len(extras) > 1 else " extra")
-        hints.append(f'the {which}: pip install ".[{",".join(extras)}]" in a checkout')
+        hints.append(f"the {which}: {_optional.install_hint(extras)} in a checkout")
     if others:
         hints.append("pip install " + " ".join(others))
     return "; ".join(hints)
