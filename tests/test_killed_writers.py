@@ -37,6 +37,8 @@ Y, X = 6, 8
 STEPS = 3
 KILLS = 13  #: per pattern; 4 patterns
 SEED = 20261233
+#: a temporary file of the engine's, as :func:`xarray_gds.stores.files.write_file` names it
+PARTIAL = ".0.xarray-gds-0123456789abcdef0123456789abcdef.partial"
 
 
 def _step(k: int, names: tuple[str, ...] = ("a", "b")) -> xr.Dataset:
@@ -180,10 +182,13 @@ def test_killed_writer_leaves_a_whole_step(tmp_path: Path, pattern: str, fmt: in
         # metadata is trusted (without that, tidy keeps what differs from it)
         left = find_leftovers(path, trust_consolidated=True)
         kinds.update(item.kind for item in left)
-        plain = tidy(path)  # never touches what only the consolidated metadata condemns
+        # never touches what only the consolidated metadata condemns
+        plain = tidy(path, dry_run=False)
         assert all(i.kind not in TRUSTING for i in plain) and set(plain) <= set(left)
         xr.testing.assert_identical(_read(path), got)
-        assert tidy(path, trust_consolidated=True) == [i for i in left if i not in plain]
+        assert tidy(path, dry_run=False, trust_consolidated=True) == [
+            i for i in left if i not in plain
+        ]
         assert not find_leftovers(path, trust_consolidated=True)
         xr.testing.assert_identical(_read(path), got)
         k = matches[0]
@@ -205,14 +210,14 @@ def test_tidy_lists_and_removes_each_kind(tmp_path: Path, capsys: pytest.Capture
     before = _read(str(path))
     (path / "a" / "c" / "5" / "0").mkdir(parents=True)
     shutil.copy(path / "a" / "c" / "1" / "0" / "0", path / "a" / "c" / "5" / "0" / "0")
-    (path / "a" / "c" / "0" / "0" / "0.1234.partial").write_bytes(b"half")
+    (path / "a" / "c" / "0" / "0" / PARTIAL).write_bytes(b"half")
     (path / "new" / "c" / "0" / "0").mkdir(parents=True)
     (path / "new" / "c" / "0" / "0" / "0").write_bytes(b"chunk")
     doc = (path / "b" / "zarr.json").read_text()
     (path / "b" / "zarr.json").write_text(doc.replace('"shape": [\n    2', '"shape": [\n    3'))
     assert (path / "b" / "zarr.json").read_text() != doc
     want = {
-        ("a/c/0/0/0.1234.partial", "partial-file"),
+        (f"a/c/0/0/{PARTIAL}", "partial-file"),
         ("a/c/5/0/0", "orphan-chunk"),
         ("new", "unpublished-node"),
         ("b/zarr.json", "metadata-ahead"),
@@ -222,7 +227,9 @@ def test_tidy_lists_and_removes_each_kind(tmp_path: Path, capsys: pytest.Capture
     out = capsys.readouterr().out
     assert all(p in out for p, _ in want) and "dry run" in out
     assert (path / "new").exists()
-    assert main(["tidy", str(path), "--trust-consolidated"]) == 0
+    assert main(["tidy", str(path), "--trust-consolidated"]) == 0  # a dry run by default
+    assert {(i.path, i.kind) for i in find_leftovers(path, trust_consolidated=True)} == want
+    assert main(["tidy", str(path), "--delete", "--trust-consolidated"]) == 0
     assert not find_leftovers(path)
     assert not (path / "new").exists() and not (path / "a" / "c" / "5").exists()
     assert (path / "b" / "zarr.json").read_text() != doc.replace("2", "3")
@@ -252,18 +259,18 @@ def test_tidy_keeps_writes_made_without_consolidating(
     files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
     own = xr.open_zarr(path, consolidated=False).load()
     assert own.a.attrs["units"] == "K" and "extra" in own
-    assert tidy(path) == []
+    assert tidy(path, dry_run=False) == []
     assert sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file()) == files
     xr.testing.assert_identical(xr.open_zarr(path, consolidated=False).load(), own)
     kinds = {(i.path, i.kind) for i in find_leftovers(path)}
     assert kinds == {("a/zarr.json", "metadata-ahead"), ("extra", "unconsolidated-node")}
-    assert main(["tidy", str(path)]) == 0
+    assert main(["tidy", str(path), "--delete"]) == 0
     out = capsys.readouterr().out
     assert "0 leftover(s) removed" in out and "--trust-consolidated" in out
     assert "kept  unconsolidated-node extra" in out
     xr.testing.assert_identical(xr.open_zarr(path, consolidated=False).load(), own)
     # told that the consolidated metadata is the truth, tidy puts it back
-    assert {(i.path, i.kind) for i in tidy(path, trust_consolidated=True)} == kinds
+    assert {(i.path, i.kind) for i in tidy(path, dry_run=False, trust_consolidated=True)} == kinds
     back = xr.open_zarr(path, consolidated=False).load()
     assert "units" not in back.a.attrs and "extra" not in back
 
@@ -323,7 +330,7 @@ def test_tidy_finds_the_chunks_of_a_killed_one_step_append(
         shutil.copy(done / key, path / key)
     found = find_leftovers(path)
     assert sorted((i.path, i.kind) for i in found) == sorted((k, "orphan-chunk") for k in left)
-    assert sorted(i.path for i in tidy(path)) == sorted(left)
+    assert sorted(i.path for i in tidy(path, dry_run=False)) == sorted(left)
     assert _chunk_files(path) == before and not find_leftovers(path)
     xr.testing.assert_identical(_read(str(path)), base)
     xarray_gds.to_zarr(step, path, append_dim=dim)

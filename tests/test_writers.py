@@ -175,7 +175,7 @@ def test_writers_through_a_symbolic_link_exclude_each_other(tmp_path: Path, link
             xarray_gds.to_zarr(_rows(0, 0), other, append_dim="t", lock_timeout=0.05)
         assert str(lock) in str(info.value)
         with pytest.raises(TimeoutError) as info:
-            tidy(other, lock_timeout=0.05)
+            tidy(other, dry_run=False, lock_timeout=0.05)
         assert str(lock) in str(info.value)
         first.discard()  # gives the lock back
     assert list(tmp_path.rglob("*.lock")) == []
@@ -294,7 +294,7 @@ def test_a_left_lock_file_is_never_zarr_content(tmp_path: Path) -> None:
         xarray_gds.to_zarr(_base().rename(v="w"), path, mode="a", consolidated=True)
     assert not lock_path(path).exists()
     lock_path(path).write_text("pid 1 on elsewhere\n")
-    assert tidy(path) == [] and not lock_path(path).exists()
+    assert tidy(path, dry_run=False) == [] and not lock_path(path).exists()
 
 
 async def _keys(store: Any) -> list[str]:

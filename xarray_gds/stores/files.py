@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, pack_offsets, parallel
 
 __all__ = [
+    "TEMPORARY",
     "byte_span",
     "read_file",
     "read_files_device",
@@ -34,8 +36,14 @@ __all__ = [
     "read_threads",
     "remove_tree",
     "small_read_bytes",
+    "temporary_name",
     "write_file",
 ]
+
+#: the name of a file :func:`write_file` is writing, beside the file ``NAME`` it becomes:
+#: ``.NAME.xarray-gds-<32 hex digits>.partial`` (no user file is so named by accident:
+#: :mod:`xarray_gds.tidy` takes only such files for what a killed write left)
+TEMPORARY = re.compile(r"\..+\.xarray-gds-[0-9a-f]{32}\.partial", re.DOTALL)
 
 
 def byte_span(size: int, byte_range: ByteRequest | None) -> tuple[int, int]:
@@ -119,13 +127,19 @@ def read_end(path: str, nbytes: int, at_end: bool) -> tuple[np.ndarray, int] | N
         os.close(fd)
 
 
+def temporary_name(path: str) -> str:
+    """The path of a new temporary file for ``path`` (see :data:`TEMPORARY`)."""
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.xarray-gds-{os.urandom(16).hex()}.partial")
+
+
 def write_file(path: str, data: Any) -> None:
     """Write ``data`` (anything with the buffer protocol) to ``path`` whole or not at
     all: into a temporary file beside it, renamed into place. Missing parent
     directories are made. os-level calls: a chunk write costs a third less than
     through Python file objects and ``pathlib``.
     """
-    tmp = f"{path}.{os.urandom(16).hex()}.partial"
+    tmp = temporary_name(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o666)

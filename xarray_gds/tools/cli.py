@@ -761,48 +761,69 @@ def _parser() -> argparse.ArgumentParser:
 
     tidy = commands.add_parser(
         "tidy",
-        help="remove what killed writes left in a local store",
-        description="List and remove what a writer killed with SIGKILL can leave in a "
-        "local Zarr store: partial files, chunk files outside their array's shape, "
-        "arrays with no metadata; with --trust-consolidated also metadata documents "
-        "that differ from the consolidated metadata (put back) and nodes it does not "
-        "list. Holds the store's writer lock.",
+        help="list, and with --delete remove, what killed writes left in a local store",
+        description="List what a writer killed with SIGKILL can leave in a local Zarr "
+        "store: the engine's temporary files (.NAME.xarray-gds-HEX.partial), chunk files "
+        "outside every shape the metadata gives their array, directories of chunks that "
+        "no metadata lists; with --trust-consolidated also metadata documents that "
+        "differ from the consolidated metadata (put back) and nodes it does not list. "
+        "Nothing changes unless --delete is given (a dry run, as with -n/--dry-run); "
+        "--delete removes what is listed, holding the store's writer lock. Damaged "
+        "nodes (a document that does not parse, or is missing while consolidated "
+        "metadata lists it) are listed and kept whole, and a directory that is not a "
+        "Zarr store is refused.",
     )
     tidy.add_argument("path", help="a local Zarr store (directory)")
-    tidy.add_argument("--dry-run", action="store_true", help="only list what would go")
+    what = tidy.add_mutually_exclusive_group()
+    what.add_argument(
+        "-n", "--dry-run", action="store_true", help="only list what would go (the default)"
+    )
+    what.add_argument("--delete", action="store_true", help="remove what is listed")
     tidy.add_argument(
         "--trust-consolidated",
         action="store_true",
         help="the consolidated metadata is the store's last complete state (only "
-        "complete xarray-gds writes made it, and one was killed): put documents back "
-        "as it gives them and remove the nodes it does not list",
+        "complete xarray-gds writes made it, and one was killed): list (with --delete, "
+        "put back) documents as it gives them and the nodes it does not list",
     )
     tidy.set_defaults(run=_run_tidy)
     return parser
 
 
 def _run_tidy(args: argparse.Namespace) -> int:
-    from xarray_gds.tidy import TRUSTING, find_leftovers, tidy
+    from xarray_gds.tidy import DAMAGED, TRUSTING, find_leftovers, tidy
 
-    trust = args.trust_consolidated
+    trust, delete = args.trust_consolidated, args.delete
     try:
-        found = tidy(args.path, dry_run=args.dry_run, trust_consolidated=trust)
-        kept = [] if trust else [i for i in find_leftovers(args.path) if i.kind in TRUSTING]
-    except (FileNotFoundError, TimeoutError) as err:
-        print(f"{PROG} tidy: {err}", file=sys.stderr)
+        found = tidy(args.path, dry_run=not delete, trust_consolidated=trust)
+        kept = [
+            i
+            for i in find_leftovers(args.path, trust_consolidated=trust)
+            if i.kind == DAMAGED or (not trust and i.kind in TRUSTING)
+        ]
+    except (OSError, ValueError) as err:  # missing, not a store, locked, not removable
+        _text.error("tidy", err)
         return 1
     for item in found:
         print(item)
-    verb = "would be removed or put back (dry run)" if args.dry_run else "removed or put back"
+    verb = "removed or put back" if delete else "would be removed or put back (dry run)"
     print(f"{len(found)} leftover(s) {verb}")
-    if kept:
-        for item in kept:
-            print(f"kept  {item}")
+    if found and not delete:
+        print("run again with --delete to remove them")
+    for item in kept:
+        print(f"kept  {item}")
+    differ = [i for i in kept if i.kind != DAMAGED]
+    if differ:
         print(
-            f"{len(kept)} difference(s) from the consolidated metadata kept: if only complete "
-            "xarray-gds writes made this store and one was killed, run again with "
+            f"{len(differ)} difference(s) from the consolidated metadata kept: if only complete "
+            "xarray-gds writes made this store and one was killed, run again with --delete "
             "--trust-consolidated to put the consolidated state back; if the store was "
             "written without consolidating, keep them and run zarr.consolidate_metadata"
+        )
+    if len(differ) < len(kept):
+        print(
+            f"{len(kept) - len(differ)} damaged document(s) kept, with all of their nodes: "
+            "a killed xarray-gds write leaves none; repair them or rewrite those arrays"
         )
     return 0
 
