@@ -1134,6 +1134,35 @@ def test_an_error_of_the_program_says_so_and_how_to_see_it(
     )
 
 
+@pytest.mark.parametrize(
+    ("error", "internal"),
+    [
+        (TypeError("unsupported operand"), True),  # a bug of the program, not the user's
+        (KeyError("t2m"), True),
+        (ValueError("not a Zarr store"), False),
+        (FileNotFoundError("no such store"), False),
+        (ImportError('reading reference sets needs fsspec: pip install ".[refs]"'), False),
+    ],
+)
+def test_which_errors_are_the_users(
+    error: BaseException,
+    internal: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def failing(args: Any) -> int:
+        raise error
+
+    monkeypatch.setattr(cli, "_run_calibrate", failing)
+    assert cli.main(["calibrate"]) == 1
+    text = " ".join(str(error).split()) if not isinstance(error, KeyError) else "'t2m'"
+    if internal:
+        text = (
+            f"internal error: {type(error).__name__}: {text}; rerun with --debug for the traceback"
+        )
+    assert capsys.readouterr().err == f"xarray-gds calibrate: error: {text}\n"
+
+
 def test_ctrl_c_exits_130_quietly(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

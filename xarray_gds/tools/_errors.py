@@ -5,8 +5,8 @@
   lines;
 - exit status 1, the user's errors: a missing optional package (``ImportError``), a
   missing or unreadable path (``OSError``), a store or argument that is not what it
-  should be (``ValueError``, ``TypeError``; the package's own errors: damaged
-  metadata or chunks), no usable GPU: one line that says what is wrong;
+  should be (``ValueError``; the package's own errors: damaged metadata or chunks), no
+  usable GPU: one line that says what is wrong;
 - exit status 1, an error of the program itself (any other exception): one line
   that names it and says to rerun with ``--debug``;
 - exit status 130 (128 + SIGINT, as a shell reports it), Ctrl-C: nothing.
@@ -38,7 +38,6 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (
     ImportError,
     OSError,
     ValueError,
-    TypeError,
     NoCudaDeviceError,
 )
 
