@@ -180,6 +180,7 @@ def test_a_store_that_overrides_only_set_sees_every_chunk(tmp_path: Path) -> Non
     xr.testing.assert_identical(xr.open_dataset(store, engine="zarr").load(), ds)
 
 
+@pytest.mark.needs("fsspec")
 def test_sync_io_matches(tmp_path: Path) -> None:
     class OnlySet(LocalStore):
         async def set(self, key: str, value: Any, byte_range: Any = None) -> None:

@@ -963,7 +963,7 @@ def test_no_secret_in_remote_references(http_root, tmp_path, caplog):
 
 
 def test_redact_masks_userinfo_options_and_headers():
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
     options = {
         "key": "AKIA-0001",
@@ -976,24 +976,24 @@ def test_redact_masks_userinfo_options_and_headers():
         f"{url} AKIA-0001 {OPTION_SECRET} {HEADER_SECRET} proxy-pass-1 sas-token-2 "
         f"BasicAuth(login='someone', password='{URL_SECRET}') https://a:b%40c@host/p Accept */*"
     )
-    assert remote.redact(text, options, url) == (
+    assert urls.redact(text, options, url) == (
         "s3://***@bucket/x.zarr *** *** *** *** *** BasicAuth(login='***', "
         "password='***') https://***@host/p Accept */*"
     )
-    assert remote.public_url("http://u:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
-    assert remote.public_url("s3://bucket/a@b") == "s3://bucket/a@b"
+    assert urls.public_url("http://u:p@ss@host:9000/a@b") == "http://***@host:9000/a@b"
+    assert urls.public_url("s3://bucket/a@b") == "s3://bucket/a@b"
 
 
 def test_redact_masks_a_short_secret_where_it_stands_only():
     """A one-letter key is masked as a value, not as letters of other words."""
-    from xarray_gds.stores import remote
+    from xarray_gds.stores import urls
 
     options = {"key": "k", "secret": "s3cr", "token": "Bearer tok"}
     text = (
         "s3://bucket/x.zarr: check endpoint_url; key='k' secret=s3cr, k tok "
         "Authorization: Bearer tok; kk sk k_1 (k)"
     )
-    assert remote.redact(text, options) == (
+    assert urls.redact(text, options) == (
         "s3://bucket/x.zarr: check endpoint_url; key='***' secret=***, *** *** "
         "Authorization: ***; kk sk k_1 (***)"
     )

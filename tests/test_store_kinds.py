@@ -190,6 +190,7 @@ class TestRemoteFsspec(TestRemote):
     options = {"encoded": True}  # noqa: RUF012 (read only)
 
 
+@pytest.mark.needs("moto", "obstore", "s3fs")  # the loopback server; the remote extra
 class TestRemoteS3(StoreKindTests):
     """Objects of a bucket of the suite's loopback S3 server (moto, one for the class),
     read through obstore on the host and a kvikio stand-in on the device, written
