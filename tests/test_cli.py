@@ -710,8 +710,8 @@ def test_bench_s3_server_is_a_loopback_process_of_its_own() -> None:
 def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The netcdf-refs case on the host: its NetCDF4 file holds the bench store's values,
     and every reader of it is timed."""
-    pytest.importorskip("netCDF4", reason="the netcdf-refs case writes NetCDF4 (test extra)")
-    pytest.importorskip("kerchunk", reason="the netcdf-refs case needs kerchunk (test extra)")
+    pytest.importorskip("netCDF4", reason="the netcdf-refs case writes NetCDF4 (bench extra)")
+    pytest.importorskip("kerchunk", reason="the netcdf-refs case needs kerchunk (refs extra)")
     from xarray_gds.tools import bench, bench_refs
 
     store = bench.make_store(tmp_path / "s.zarr", 2 << 20, 256 << 10)

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::xarray.SerializationWarning"),
     pytest.mark.filterwarnings("ignore::zarr.errors.ZarrUserWarning"),
 ]
-obstore = pytest.importorskip("obstore", reason="the remote route's client (test extra)")
+obstore = pytest.importorskip("obstore", reason="the remote route's client (remote extra)")
 
 #: a chunk of the streamed store that the server refuses (403)
 FORBIDDEN = "bucket/refused.zarr/t/c/1/0/0"
