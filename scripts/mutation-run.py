@@ -260,7 +260,7 @@ def _sample(
 
     # sites of the same text and column (two ``if m:`` lines) in their order in the file
     order = sorted(by_site, key=lambda site: (site_key(site), site[1], site[2]))
-    chosen = []
+    chosen: list[Any] = []
     invalid = 0
     for site in order:
         if sites is not None and len(chosen) == sites:
@@ -303,7 +303,7 @@ def _compiles(source: str, item: Any) -> bool:
     if mutated is None:
         return False
     try:
-        compile(mutated, "<mutant>", "exec")
+        mutation_tool.compiles(mutated, "<mutant>")
     except SyntaxError:
         return False
     return True
@@ -944,7 +944,8 @@ def _each_mutant(
         m.selected = tests - failing
         m.tests = len(m.selected)
         ordered = sorted(m.selected, key=lambda t: (runner.times.get(t, 0.0), t))
-        first, total = [], 0.0
+        first: list[str] = []
+        total = 0.0
         for t in ordered:
             if first and total + runner.times.get(t, 1.0) > quick:
                 break

@@ -22,6 +22,7 @@ import hashlib
 import json
 import re
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -420,6 +421,15 @@ def _spans_lines(node: Any, lines: list[int]) -> bool:
     return at < len(lines) and lines[at] <= node.end_pos[0]
 
 
+def compiles(source: str, file: str) -> Any:
+    """``source`` compiled (SyntaxError where it does not compile); its
+    SyntaxWarnings (``x is "a"``: a mutant of ``x == "a"``) neither shown nor, under
+    ``-W error``, taken for errors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return compile(source, file, "exec", dont_inherit=True)
+
+
 def mutants(
     source: str, file: str, module: str, lines: set[int] | None = None
 ) -> tuple[list[Mutant], dict[str, int]]:
@@ -454,7 +464,7 @@ def mutants(
                     continue
                 seen.add(digest)
                 try:
-                    compile(mutated, file, "exec", dont_inherit=True)
+                    compiles(mutated, file)
                 except (SyntaxError, ValueError):
                     left["not_compiling"] += 1
                     continue
@@ -673,7 +683,7 @@ def _prepare(patch: dict[str, Any] | None) -> tuple[Any, Any]:
     module = importlib.import_module(patch["module"])
     live = _live_function(module, patch["qualname"], patch["first"])
     path = Path(module.__file__ or "")
-    code = compile(path.read_text(), str(path), "exec", dont_inherit=True)
+    code = compiles(path.read_text(), str(path))
     new = _code(code, patch["qualname"], patch["first"])
     if new.co_freevars != live.__code__.co_freevars:
         raise LookupError("the mutant changes the function's free variables")

@@ -205,6 +205,19 @@ def test_mutants_match_cosmic_rays_and_lines_filter() -> None:
     assert {m.apply(source) for m in some} <= expected
 
 
+def test_mutants_of_a_string_comparison_under_warnings_as_errors() -> None:
+    """``x == "a"`` made ``x is "a"`` compiles with a SyntaxWarning: the mutant is made
+    (not left out as not compiling, even under ``-W error``) and nothing is shown."""
+    import warnings
+
+    source = 'def f(x):\n    return x == "a"\n'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found, left = mt.mutants(source, "m.py", "m")
+    assert 'return x is "a"' in {m.new for m in found}
+    assert left["not_compiling"] == 0
+
+
 def test_apply_all_and_layers() -> None:
     run = _script()
     source = "a = 1\nb = 2\nc = 3\n"
@@ -270,7 +283,9 @@ def test_whole_suite_stage_finds_the_killed() -> None:
     assert all(m.stage == "suite" for m in alive)
 
 
-def test_mutants_applied_together_are_put_back(tmp_path: Path) -> None:
+def test_mutants_applied_together_are_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = _script()
     source = "a = 1\nb = 2\n"
     (tmp_path / "m.py").write_text(source)
@@ -283,12 +298,8 @@ def test_mutants_applied_together_are_put_back(tmp_path: Path) -> None:
 
     runner = run.Runner(tmp_path, {}, {"m.py": source}, {}, None, {})
     group = [m for m in found if m.new in ("a = 2", "pass") and m.line == 1 + (m.new == "pass")]
-    original = run._pytest
-    run._pytest = fake_pytest
-    try:
-        assert runner.together(group, ["tests"], 60) == (0, "")
-    finally:
-        run._pytest = original
+    monkeypatch.setattr(run, "_pytest", fake_pytest)
+    assert runner.together(group, ["tests"], 60) == (0, "")
     assert seen == ["a = 2\npass\n"]
     assert (tmp_path / "m.py").read_text() == source
 
