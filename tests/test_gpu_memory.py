@@ -90,12 +90,15 @@ def test_device_memory_is_flat_over_cycles(tmp_path: Path) -> None:
     stores = _stores(tmp_path)
     in_use: list[int] = []
     driver: list[int | None] = []
+    card: list[int] = []  # the whole card's bytes in use (every process): reported only
     for i in range(CYCLES):
         _cycle(i, stores, tmp_path)
         gc.collect()
         cp.cuda.Device().synchronize()
         in_use.append(int(pool.used_bytes()))
         driver.append(_process_memory() if i >= WARM_UP - 1 else None)
+        free, total = cp.cuda.runtime.memGetInfo()
+        card.append(int(total - free))
     steady = in_use[WARM_UP:]
     assert max(steady) <= max(in_use[:WARM_UP]), (
         f"CuPy pool bytes in use grew after warm-up: {max(in_use[:WARM_UP])} then "
@@ -108,13 +111,13 @@ def test_device_memory_is_flat_over_cycles(tmp_path: Path) -> None:
             f"device memory of this process grew {grown >> 20} MiB over {CYCLES} cycles "
             f"(from {seen[0] >> 20} MiB after warm-up to {max(seen) >> 20} MiB)"
         )
-    _report(in_use, driver)
+    _report(in_use, driver, card)
 
 
-def _report(in_use: list[int], driver: list[Any]) -> None:
+def _report(in_use: list[int], driver: list[Any], card: list[int]) -> None:
     """The figures, for a run that wants them (XARRAY_GDS_MEMORY_REPORT=path)."""
     target = os.environ.get("XARRAY_GDS_MEMORY_REPORT")
     if target:
         import json
 
-        Path(target).write_text(json.dumps({"pool_in_use": in_use, "nvml_process": driver}))
+        Path(target).write_text(json.dumps({"pool_in_use": in_use, "nvml_process": driver, "card_in_use": card}))
