@@ -120,4 +120,6 @@ def _report(in_use: list[int], driver: list[Any], card: list[int]) -> None:
     if target:
         import json
 
-        Path(target).write_text(json.dumps({"pool_in_use": in_use, "nvml_process": driver, "card_in_use": card}))
+        Path(target).write_text(
+            json.dumps({"pool_in_use": in_use, "nvml_process": driver, "card_in_use": card})
+        )
