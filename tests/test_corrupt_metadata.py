@@ -16,6 +16,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def _reason(how: str, raw: bytes) -> str:
     return f": it ends before the JSON does (truncated after {len(raw)} bytes?)"
 
 
-def _open_gds(path: Path, **kwargs: object) -> xr.Dataset:
+def _open_gds(path: Path, **kwargs: Any) -> xr.Dataset:
     return xr.open_dataset(path, engine="gds-zarr", device="cpu", **kwargs)
 
 
@@ -223,7 +224,7 @@ def test_a_damaged_zmetadata_is_not_taken_for_none(
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_a_subgroup_of_a_store_with_damaged_consolidated_metadata(
-    zarr_format: int, tmp_path: Path
+    zarr_format: Literal[2, 3], tmp_path: Path
 ) -> None:
     """engine="zarr" reads the root's consolidated metadata for a subgroup too."""
     path = tmp_path / "store.zarr"
@@ -307,6 +308,12 @@ def test_v3_consolidated_metadata_without_node_types(
 # -- what the documents module says of one document ---------------------------------------
 
 
+ZMETADATA_REASON = (
+    "it does not list metadata as Zarr v2 does (a 'metadata' object of "
+    "'PATH/.zarray', 'PATH/.zattrs' and 'PATH/.zgroup' objects)"
+)
+
+
 @pytest.mark.parametrize(
     ("key", "raw", "reason"),
     [
@@ -327,6 +334,30 @@ def test_v3_consolidated_metadata_without_node_types(
         ("a/zarr.json", b"{}", "its node_type is None, not 'array' or 'group'"),
         ("a/.zarray", b'{"zarr_format": 2}', None),
         ("zarr.json", b'{"node_type": "group", "consolidated_metadata": null}', None),
+        # a file of NUL bytes (a crash after the file's size was set, before its data)
+        (
+            "a/zarr.json",
+            b"\x00" * 8,
+            "not valid JSON (Expecting value: line 1, column 1): it ends with 8 NUL bytes",
+        ),
+        (
+            "a/zarr.json",
+            b'{"a\x00\x00\x00\x00',
+            "not valid JSON (Invalid control character at: line 1, column 4): it ends "
+            "with 4 NUL bytes",
+        ),
+        # cut inside a string, a line break after: the parser ran out of document
+        (
+            "a/zarr.json",
+            b'{"node_type": "arr\n',
+            "not valid JSON (Invalid control character at: line 1, column 19): it ends "
+            "before the JSON does (truncated after 19 bytes?)",
+        ),
+        # an array's document has no listing to check
+        ("a/zarr.json", b'{"node_type": "array", "consolidated_metadata": 5}', None),
+        (".zmetadata", b'{"metadata": {".zgroup": {"zarr_format": 2}}}', None),
+        (".zmetadata", b'{"metadata": {"t2m/zarr.json": {}}}', ZMETADATA_REASON),
+        (".zmetadata", b'{"metadata": {".zgroup": 2}}', ZMETADATA_REASON),
     ],
 )
 def test_problem(key: str, raw: bytes, reason: str | None) -> None:
@@ -340,3 +371,178 @@ def test_a_root_group_without_node_type_opens_as_zarr_opens_it(
     (path / "zarr.json").write_text("{}")
     with xr.open_dataset(path, engine="zarr") as ref:
         xr.testing.assert_identical(_open_gds(path).load(), ref.load())
+
+
+# -- which document an open names, and what it says to do --------------------------------
+
+
+def _store(tmp_path: Path, zarr_format: int, consolidated: bool, groups: tuple[str, ...]) -> Path:
+    """A store with the dataset at the root and in each of ``groups``."""
+    path = tmp_path / "store.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for group in ("", *groups):
+            _dataset().to_zarr(
+                path,
+                group=group or None,
+                mode="a" if group else "w",
+                zarr_format=zarr_format,
+                consolidated=consolidated,
+            )
+    return path
+
+
+def _append_nul(path: Path) -> None:
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+NODE_HINT = "restore it from a copy of the store, or write the node again"
+CONSOLIDATED_HINT = (
+    "restore it from a copy of the store; where it is consolidated metadata and the "
+    "nodes' own documents are sound, consolidated=False reads those instead "
+    "(zarr.consolidate_metadata(store) then writes it again)"
+)
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "consolidated", "document", "kwargs", "hint"),
+    [
+        (3, False, "t2m/zarr.json", {"consolidated": False}, NODE_HINT),
+        (3, False, "t2m/zarr.json", {}, NODE_HINT),
+        (2, False, "t2m/.zarray", {"consolidated": False}, NODE_HINT),
+        (2, False, "t2m/.zarray", {}, NODE_HINT),
+        (2, False, ".zattrs", {}, NODE_HINT),
+        (3, True, "zarr.json", {}, CONSOLIDATED_HINT),
+        (3, True, "zarr.json", {"consolidated": True}, CONSOLIDATED_HINT),
+        (2, True, ".zmetadata", {}, CONSOLIDATED_HINT),
+    ],
+)
+def test_the_hint_fits_the_document(
+    zarr_format: int,
+    consolidated: bool,
+    document: str,
+    kwargs: dict[str, Any],
+    hint: str,
+    tmp_path: Path,
+) -> None:
+    """A node's own document: write the node again; consolidated metadata (a v3 root
+    zarr.json read for its listing, a .zmetadata): consolidated=False reads the nodes'
+    documents instead."""
+    path = _store(tmp_path, zarr_format, consolidated, ())
+    _append_nul(path / document)
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path, **kwargs)
+    assert caught.value.document == document
+    assert str(caught.value).endswith(f": it ends with 1 NUL byte; {hint}")
+
+
+def test_a_groups_own_document_is_named_before_its_members(tmp_path: Path) -> None:
+    """zarr reads the group's document first: of a damaged group document and a damaged
+    array document in it, the group's is named."""
+    path = _store(tmp_path, 3, False, ("sub",))
+    _append_nul(path / "sub/zarr.json")
+    _append_nul(path / "sub/t2m/zarr.json")
+    with pytest.raises(ValueError):
+        xr.open_dataset(path, group="sub", engine="zarr")
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path, group="sub")
+    assert caught.value.document == "sub/zarr.json"
+    assert str(caught.value).endswith(CONSOLIDATED_HINT)  # a group's zarr.json may list nodes
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"consolidated": False}])
+def test_the_documents_of_the_group_opened_are_named_not_a_siblings(
+    kwargs: dict[str, Any], tmp_path: Path
+) -> None:
+    path = _store(tmp_path, 3, False, ("a", "sub"))
+    _append_nul(path / "a/t2m/zarr.json")
+    _append_nul(path / "sub/t2m/zarr.json")
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path, group="sub", **kwargs)
+    assert caught.value.document == "sub/t2m/zarr.json"
+
+
+def test_a_root_group_without_node_type_is_passed_over_for_the_damaged_array(
+    tmp_path: Path,
+) -> None:
+    """zarr opens a root group's {} (as a group): the document named is the array's."""
+    path = _store(tmp_path, 3, False, ())
+    (path / "zarr.json").write_text("{}")
+    _append_nul(path / "t2m/zarr.json")
+    with pytest.raises(ValueError):
+        xr.open_dataset(path, engine="zarr", consolidated=False)
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path, consolidated=False)
+    assert caught.value.document == "t2m/zarr.json"
+
+
+def test_an_array_document_without_node_type(tmp_path: Path) -> None:
+    path = _store(tmp_path, 3, False, ())
+    (path / "t2m/zarr.json").write_text("{}")
+    with pytest.raises(zarr.errors.MetadataValidationError):
+        xr.open_dataset(path, engine="zarr")
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path)
+    assert caught.value.document == "t2m/zarr.json"
+    assert caught.value.reason == "its node_type is None, not 'array' or 'group'"
+
+
+def test_a_groups_own_damaged_zmetadata_is_named(tmp_path: Path) -> None:
+    """A group consolidated on its own (not the root), opened with consolidated=True:
+    zarr reads the group's .zmetadata."""
+    path = _store(tmp_path, 2, False, ("sub",))
+    zarr.consolidate_metadata(path, path="sub", zarr_format=2)
+    (path / "sub/.zmetadata").write_bytes((path / "sub/.zmetadata").read_bytes()[:-10])
+    with pytest.raises(ValueError):
+        xr.open_dataset(path, group="sub", engine="zarr", consolidated=True)
+    with pytest.raises(MetadataError) as caught:
+        _open_gds(path, group="sub", consolidated=True)
+    assert caught.value.document == "sub/.zmetadata"
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "stray", "raw"),
+    [(2, "zarr.json", b'{"zarr_format": 3,'), (3, ".zmetadata", b'{"metadata": ')],
+)
+def test_a_damaged_document_of_the_other_format_is_not_read(
+    zarr_format: int, stray: str, raw: bytes, tmp_path: Path
+) -> None:
+    """With zarr_format given, the other format's documents are not read (nor named),
+    as engine="zarr" does not read them."""
+    path = _store(tmp_path, zarr_format, False, ())
+    (path / stray).write_bytes(raw)
+    with (
+        xr.open_dataset(path, engine="zarr", zarr_format=zarr_format) as ref,
+        _open_gds(path, zarr_format=zarr_format) as ds,
+    ):
+        xr.testing.assert_identical(ds.load(), ref.load())
+
+
+def test_a_damaged_member_of_a_datatree_without_consolidated_metadata(tmp_path: Path) -> None:
+    path = _store(tmp_path, 3, False, ("sub",))
+    _append_nul(path / "sub/t2m/zarr.json")
+    with pytest.raises(MetadataError) as caught:
+        xr.open_datatree(path, engine="gds-zarr", device="cpu")
+    assert caught.value.document == "sub/t2m/zarr.json"
+
+
+def test_an_error_not_of_a_document_read_through_consolidated_metadata(tmp_path: Path) -> None:
+    """The open reads the nodes from the root's consolidated metadata and fails for
+    another reason (an array without dimension names): a damaged array document it does
+    not read is not named; the error is engine="zarr"'s."""
+    path = _store(tmp_path, 3, True, ())
+    root = json.loads((path / "zarr.json").read_text())
+    del root["consolidated_metadata"]["metadata"]["t2m"]["dimension_names"]
+    (path / "zarr.json").write_text(json.dumps(root))
+    _append_nul(path / "t2m/zarr.json")
+    with pytest.raises(KeyError) as ref:
+        xr.open_dataset(path, engine="zarr")
+    with pytest.raises(KeyError) as caught:
+        _open_gds(path)
+    assert str(caught.value) == str(ref.value)
+
+
+def test_a_missing_group_is_not_taken_for_damage(tmp_path: Path) -> None:
+    path = _store(tmp_path, 3, False, ())
+    with pytest.raises(FileNotFoundError, match=r"group 'nope' not found in Zarr store"):
+        _open_gds(path, group="nope")
