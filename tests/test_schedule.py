@@ -57,7 +57,9 @@ class Schedule:
         self.problems: list[str] = []  #: what a stand-in saw that the schedule forbids
         self.values: dict[Part, weakref.ref[Any]] = {}  #: each part's decoded chunks
         self.parked = 0  #: part servers waiting for their turn (the consumer's progress)
-        self.queued = 0  #: part servers waiting in the engine (for another thread's read)
+        self.queued = 0  #: part servers waiting in the engine (for another group's read)
+        self.waiting = False  #: whether the consumer waits for a part
+        self.woken = 0  #: how many times the consumer's wait was ended by a notification
         #: called where the consumer waits for a part, before it waits (if set)
         self.consumer_waits: Callable[[], None] | None = None
 
@@ -166,15 +168,39 @@ def schedule(monkeypatch: pytest.MonkeyPatch) -> Schedule:
                 with s.cond:
                     s.parked += 1
                     s.cond.notify_all()
+            else:
+                with s.cond:
+                    s.waiting = True
+                    s.cond.notify_all()
             try:
                 if not super().wait(LIMIT):
                     s.problems.append(f"{threading.current_thread().name} waited in vain")
                     raise AssertionError("a wait of the read in parts was never notified")
                 return True
             finally:
+                with s.cond:
+                    if server:
+                        s.parked -= 1
+                    else:
+                        s.waiting = False
+                        s.woken += 1
+                    s.cond.notify_all()
+
+    class Engine(threading.Condition):
+        """The engine's condition: it counts the part servers waiting in it."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            server = threading.current_thread().name.startswith(SERVER)
+            if server:
+                with s.cond:
+                    s.queued += 1
+                    s.cond.notify_all()
+            try:
+                return super().wait(timeout)
+            finally:
                 if server:
                     with s.cond:
-                        s.parked -= 1
+                        s.queued -= 1
 
     proxy = types.ModuleType("threading")
     proxy.__dict__.update(vars(threading))
@@ -183,6 +209,7 @@ def schedule(monkeypatch: pytest.MonkeyPatch) -> Schedule:
     monkeypatch.setattr(coalesce, "_read_group", read_group)
     monkeypatch.setattr(coalesce, "_decode_group", decode_group)
     monkeypatch.setattr(coalesce, "threading", proxy)
+    monkeypatch.setattr(coalesce.engine(), "cond", Engine())
     return s
 
 
@@ -289,6 +316,56 @@ def test_the_next_part_is_read_while_a_part_decodes(store: Path, schedule: Sched
             < schedule.at("read-start", (0, k + 1))
             < schedule.at("decode-end", (0, k))
         )
+    _assert_clean(schedule)
+
+
+def test_parts_are_read_in_order_whichever_server_asks_first(
+    store: Path, schedule: Schedule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part 0's server is held until part 1's server waits in the engine: part 1 is
+    read only once part 0 is taken."""
+    real = coalesce.ReadEngine._lead_or_wait
+    held: list[bool] = []
+
+    def lead_or_wait(self: coalesce.ReadEngine, request: Any) -> None:
+        if schedule.part(request.request) == (0, 0) and not held:
+            held.append(True)
+            schedule.wait(lambda: schedule.queued == 1, "part 1's server in the engine")
+        real(self, request)
+
+    monkeypatch.setattr(coalesce.ReadEngine, "_lead_or_wait", lead_or_wait)
+    _read(store)
+    assert held
+    assert schedule.parts("read-start") == list(range(PARTS))
+    _assert_clean(schedule)
+
+
+@pytest.mark.parametrize("part", [0, PARTS // 2])
+def test_a_part_decoded_after_the_next_one_is_waited_for(
+    store: Path, schedule: Schedule, part: int
+) -> None:
+    """Part k decodes until part k + 1 is decoded and its server has woken the
+    consumer (waiting for part k): the consumer waits on for part k, and hands the
+    parts over in order."""
+    woken: list[int] = []
+
+    def late() -> None:
+        schedule.wait(lambda: bool(woken) and schedule.woken > woken[0], "the consumer woken")
+
+    def next_part() -> None:
+        def waits_for_part() -> bool:
+            consumed = not part or schedule.has("consume-end", (0, part - 1))
+            return consumed and schedule.waiting
+
+        schedule.wait(waits_for_part, f"the consumer waiting for part {part}")
+        with schedule.cond:
+            woken.append(schedule.woken)
+
+    schedule.hooks["decode-start", (0, part)] = late
+    schedule.hooks["decode-start", (0, part + 1)] = next_part
+    _read(store)
+    assert schedule.at("decode-end", (0, part + 1)) < schedule.at("decode-end", (0, part))
+    assert schedule.parts("consume-end") == list(range(PARTS))
     _assert_clean(schedule)
 
 
@@ -462,27 +539,12 @@ def test_an_interrupt_withdraws_parts_waiting_in_the_engine(
                 schedule.problems.append("the other thread's read was held in vain")
         return real(group)
 
-    class Engine(threading.Condition):
-        def wait(self, timeout: float | None = None) -> bool:
-            server = threading.current_thread().name.startswith(SERVER)
-            if server:
-                with schedule.cond:
-                    schedule.queued += 1
-                    schedule.cond.notify_all()
-            try:
-                return super().wait(timeout)
-            finally:
-                if server:
-                    with schedule.cond:
-                        schedule.queued -= 1
-
     def interrupt() -> None:
         schedule.wait(lambda: schedule.queued == 2, "both servers waiting in the engine")
         schedule.log("raise", (0, 0))
         raise Interrupt
 
     monkeypatch.setattr(coalesce, "_read", read)
-    monkeypatch.setattr(coalesce.engine(), "cond", Engine())
     got: list[xr.DataArray] = []
     reader = threading.Thread(target=lambda: got.append(_load(other)))
     reader.start()

@@ -149,25 +149,21 @@ class ReadEngine:
             request.series, request.after = series, before
         progress = threading.Condition()
         consumed = 0  # parts handed to ``consume``
-        queued = 0  # parts in the engine's queue, whose turn has come
         stop = False
 
         def serve(first: int) -> None:
             """Serve parts ``first``, ``first + 2``, ...: with two servers, part k + 1 is
             read while part k decodes; part k waits until part k - 2 is consumed."""
-            nonlocal queued
             for k in range(first, len(requests), 2):
                 with progress:
                     while k > consumed + 1 and not stop:
                         progress.wait()
                     if stop:
                         return
-                    # queued only now, in order: another thread's leader serves what
-                    # waits in the queue, and must not take a part before its turn
-                    if queued <= k:
-                        with self.cond:
-                            self.waiting.extend(requests[queued : k + 1])
-                        queued = k + 1
+                    # queued only now: another thread's leader serves what waits in
+                    # the queue, and must not take a part before its turn
+                    with self.cond:
+                        self.waiting.append(requests[k])
                 try:
                     while not requests[k].done:
                         self._lead_or_wait(requests[k])
