@@ -84,6 +84,16 @@ ORDERINGS: tuple[Ordering, ...] = (
         _wave("split"),
     ),
     Ordering(
+        "split-host-waits",
+        "decode.py",
+        "wait()",
+        0,
+        "the host pool's share is decoded into the pinned lease and its copies queued "
+        "before the copy stream is synchronized and the lease goes back",
+        ("tests/test_orderings.py::test_ordering[split-host-waits]",),
+        device=False,
+    ),
+    Ordering(
         "decode-lane-waits",
         "codecs/nvcomp.py",
         _WAIT,

@@ -545,10 +545,12 @@ class _NvComp:
 class _Crc:
     """libnvcomp's batched CRC32 (the two functions crc32c.py calls): the sums are
     computed at once from the pointers it is given; logged on its stream with every
-    buffer it reads or writes."""
+    buffer it reads or writes. A launch returns ``status`` (nonzero: the kernel was
+    queued, then the launch reported a failure)."""
 
     def __init__(self, log: Log) -> None:
         self.log = log
+        self.status = 0
 
     def nvcompBatchedCRC32GetHeuristicConf(self, *args: Any) -> int:
         return 0
@@ -565,7 +567,7 @@ class _Crc:
         for i in range(n):
             sums[i] = CRC32C.value(ctypes.string_at(int(starts[i]), int(sizes[i])))
         codes[:n] = 0
-        return 0
+        return self.status
 
 
 class _Queue(queue.Queue):
@@ -582,6 +584,7 @@ class Env:
     cupy: _CuPy
     kvikio: _Kvikio
     nvcomp: _NvComp
+    crc: _Crc
 
 
 class _LoggedDecodeError(ChunkDecodeError):
@@ -598,7 +601,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     CRC32, with no stream, lane, staging buffer or read engine left from before."""
     log = Log()
     _ACTIVE.append(log)
-    standins = Env(log, _CuPy(log), _Kvikio(log), _NvComp(log))
+    standins = Env(log, _CuPy(log), _Kvikio(log), _NvComp(log), _Crc(log))
     cupyx = types.ModuleType("cupyx")
     cupyx.empty_pinned = lambda shape, dtype=np.uint8: log.register(  # type: ignore[attr-defined]
         np.empty(shape, dtype=dtype), "pinned"
@@ -615,7 +618,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     monkeypatch.setattr(nvcomp, "_nvcomp", lambda: standins.nvcomp)
     monkeypatch.setattr(nvcomp, "ChunkDecodeError", _LoggedDecodeError)
-    monkeypatch.setattr(crc32c, "_library", lambda: _Crc(log))
+    monkeypatch.setattr(crc32c, "_library", lambda: standins.crc)
     monkeypatch.setattr(batch.PinnedStaging, "_give", give_back)
     monkeypatch.setattr(prefetch, "queue", types.SimpleNamespace(Queue=_Queue))
     monkeypatch.setattr(decode, "_streams", threading.local())
@@ -826,6 +829,32 @@ def split_lease_sync(env: Env, tmp_path: Path) -> None:
     log = env.log
     back = _only(log.find("free", buffer=lease, detail="lease"))
     _synced_between(log, copy, log.find("copy", copy, lease)[-1], back)
+    assert in_use_at_return(log) == []
+
+
+def split_host_waits(env: Env, tmp_path: Path) -> None:
+    """The split decode waits for the host pool's share (its decodes into the pinned
+    lease and their copies queued on the copy stream) before it synchronizes the copy
+    stream and the lease goes back, with a pool that runs the share only once it is
+    waited for (after nvCOMP's decode of the others)."""
+
+    def late(fn: Callable[[int], None], n: int, workers: int) -> Callable[[], None]:
+        def wait() -> None:
+            for i in range(n):
+                fn(i)
+            env.log.add("mark", detail="host share done")
+
+        return wait
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "start", late)
+        copy, lease, nvcomp_decode = _split(env, tmp_path)
+    log = env.log
+    copies = log.find("copy", copy, lease)
+    done = _only(log.find("mark", detail="host share done"))
+    back = _only(log.find("free", buffer=lease, detail="lease"))
+    assert nvcomp_decode < copies[0] and copies[-1] < done < back
+    _synced_between(log, copy, done, back)
     assert in_use_at_return(log) == []
 
 
@@ -1067,21 +1096,28 @@ def _crc_chunks() -> list[bytes]:
 def crc_final_sync(env: Env, tmp_path: Path) -> None:
     """The CRC32C lane is synchronized after its kernel, before its tables (the chunks'
     pointers and lengths, the sums, the statuses) go back to the pool; a damaged chunk
-    is found."""
+    is found. A launch that reports a failure once its kernel is queued is waited for
+    as well before its tables go back."""
     raw = _crc_chunks()
     raw[1] = b"\x00" + raw[1][1:]
     device = _on_device(env, [np.frombuffer(b, np.uint8) for b in raw])
+    keys = ["c/0", "c/1", "c/2"]
     with pytest.raises(ChunkDecodeError) as caught:
-        nvcomp._strip_crc32c(device, device.offsets, device.sizes, ["c/0", "c/1", "c/2"])
+        nvcomp._strip_crc32c(device, device.offsets, device.sizes, keys)
     assert caught.value.key == "c/1"
+    env.crc.status = 10
+    failed = r"^nvCOMP's batched CRC32 failed \(nvcompStatus_t 10\)$"
+    with pytest.raises(RuntimeError, match=failed):
+        nvcomp._strip_crc32c(device, device.offsets, device.sizes, keys)
     del caught
     gc.collect()
     log = env.log
     (lane,) = nvcomp._all_lanes
-    run = _only(log.find("crc", lane.stream))
-    tables = log.entries[run].buffers[:4]
-    for table in tables:
-        _synced_between(log, lane.stream, run, _only(log.find("free", buffer=table)))
+    runs = log.find("crc", lane.stream)
+    assert len(runs) == 2
+    for run in runs:
+        for table in log.entries[run].buffers[:4]:
+            _synced_between(log, lane.stream, run, _only(log.find("free", buffer=table)))
     assert in_use_at_return(log) == []
 
 
@@ -1115,6 +1151,7 @@ CASES: dict[str, Callable[..., None]] = {
     "staged-copy-waits": staged_copy_waits,
     "staged-lease-sync": staged_lease_sync,
     "split-lease-sync": split_lease_sync,
+    "split-host-waits": split_host_waits,
     "decode-lane-waits": decode_lane_waits,
     "decode-final-sync": decode_final_sync,
     "decode-error-sync": decode_error_sync,
@@ -1164,12 +1201,15 @@ def test_every_ordering_has_a_cpu_test() -> None:
 def test_every_ordering_line_is_in_the_source() -> None:
     """Each ordering's line is where ORDERINGS says, and every line of the package that
     waits for a stream or an event is an ordering of ORDERINGS (or one of the few that
-    order nothing): a new one must be added there, with a test here."""
+    order nothing): a new one must be added there, with a test here. (ORDERINGS also
+    lists lines that wait for the host pool's threads before a stream is waited for.)"""
     package = ROOT / "xarray_gds"
+    waits = re.compile(r"\.synchronize\(\)|\.wait_event\(")
     listed: set[tuple[str, int]] = set()
     for o in ORDERINGS:
-        listed.add((o.module, MUTANTS.find_line((package / o.module).read_text(), o)))
-    waits = re.compile(r"\.synchronize\(\)|\.wait_event\(")
+        at = MUTANTS.find_line((package / o.module).read_text(), o)
+        if waits.search(o.text):
+            listed.add((o.module, at))
     found = set()
     for path in sorted(package.rglob("*.py")):
         module = path.relative_to(package).as_posix()
