@@ -290,6 +290,45 @@ def test_directory_that_is_not_a_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("dirs", "files"),
+    [((), ()), (("snapshots", "refs"), ()), (("snapshots",), ("repo",))],
+    ids=["neither", "icechunk-1", "icechunk-2"],
+)
+def test_an_icechunk_repository_by_its_layout(
+    tmp_path: Path, dirs: tuple[str, ...], files: tuple[str, ...]
+) -> None:
+    """A snapshots directory beside a refs directory (Icechunk 1) or a repo file
+    (Icechunk 2) is a repository; a directory of neither is no Zarr store."""
+    path = tmp_path / "repo"
+    path.mkdir()
+    for d in dirs:
+        (path / d).mkdir()
+    for f in files:
+        (path / f).write_bytes(b"")
+    kind = "an Icechunk repository" if dirs else "not a Zarr store: it is not a directory"
+    with pytest.raises(ValueError, match=f"^'{path}' is {kind}"):
+        xr.open_dataset(path, engine="gds-zarr", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("dirs", "files"),
+    [(("snapshots",), ()), (("refs",), ("repo",)), (("snapshots", "repo"), ())],
+    ids=["snapshots-alone", "no-snapshots", "repo-a-directory"],
+)
+def test_not_an_icechunk_repository(
+    tmp_path: Path, dirs: tuple[str, ...], files: tuple[str, ...]
+) -> None:
+    path = tmp_path / "repo"
+    path.mkdir()
+    for d in dirs:
+        (path / d).mkdir()
+    for f in files:
+        (path / f).write_bytes(b"")
+    with pytest.raises(ValueError, match=f"^'{path}' is not a Zarr store: it is not a directory"):
+        xr.open_dataset(path, engine="gds-zarr", device="cpu")
+
+
+@pytest.mark.parametrize(
     ("magic", "engines"),
     [
         (b"\x89HDF\r\n\x1a\n", "engine='netcdf4') or engine='h5netcdf'"),

@@ -526,10 +526,14 @@ def test_a_damaged_member_of_a_datatree_without_consolidated_metadata(tmp_path: 
     assert caught.value.document == "sub/t2m/zarr.json"
 
 
-def test_an_error_not_of_a_document_read_through_consolidated_metadata(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache_members", [True, False])
+def test_an_error_not_of_a_document_read_through_consolidated_metadata(
+    tmp_path: Path, cache_members: bool
+) -> None:
     """The open reads the nodes from the root's consolidated metadata and fails for
     another reason (an array without dimension names): a damaged array document it does
-    not read is not named; the error is engine="zarr"'s."""
+    not read is not named; the error is engine="zarr"'s (members listed at the open, or
+    as the variables are read)."""
     path = _store(tmp_path, 3, True, ())
     root = json.loads((path / "zarr.json").read_text())
     del root["consolidated_metadata"]["metadata"]["t2m"]["dimension_names"]
@@ -538,7 +542,7 @@ def test_an_error_not_of_a_document_read_through_consolidated_metadata(tmp_path:
     with pytest.raises(KeyError) as ref:
         xr.open_dataset(path, engine="zarr")
     with pytest.raises(KeyError) as caught:
-        _open_gds(path)
+        _open_gds(path, cache_members=cache_members)
     assert str(caught.value) == str(ref.value)
 
 

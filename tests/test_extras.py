@@ -77,6 +77,22 @@ def test_need_names_the_package_a_module_itself_could_not_import(
         _optional.need("xgds_scanner", "scanning", "refs")
 
 
+def test_need_names_the_package_whose_module_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package that is there without the module asked for (a version without it):
+    the message names the package, not its module."""
+    (tmp_path / "xgds_package").mkdir()
+    (tmp_path / "xgds_package" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError) as info:
+        _optional.need("xgds_package.scanner", "scanning", "refs")
+    assert str(info.value) == (
+        'scanning needs xgds_package: pip install ".[refs]" in a checkout of xarray-gds'
+    )
+    assert info.value.name == "xgds_package"
+
+
 def test_every_package_of_the_map_has_its_extra() -> None:
     """Each optional package names an extra of pyproject.toml that installs it (itself
     or through the package it serves); ``all`` holds every feature's extra."""
@@ -204,12 +220,21 @@ def test_remote_write_without_its_filesystem_names_the_one_for_the_url() -> None
         _OPEN
         + """
 print(error(lambda: xarray_gds.to_zarr(ds, "s3://bucket/out.zarr")))
+print(error(lambda: xarray_gds.to_zarr(ds, "https://h.example/out.zarr")))
+try:
+    xarray_gds.to_zarr(ds, "https://user:secret@h.example/out.zarr")
+except ImportError as err:
+    print(err.name, err)
 print(error(lambda: xr.open_dataset("s3://bucket/d.zarr", engine="gds-zarr", device="cpu")))
 """,
         allow=("fsspec",),
     )
     assert out == [
         "ImportError: writing to 's3://bucket/out.zarr' needs s3fs: "
+        'pip install ".[remote]" in a checkout of xarray-gds',
+        "ImportError: writing to 'https://h.example/out.zarr' needs aiohttp: "
+        'pip install ".[remote]" in a checkout of xarray-gds',
+        "aiohttp writing to 'https://***@h.example/out.zarr' needs aiohttp: "
         'pip install ".[remote]" in a checkout of xarray-gds',
         "ImportError: reading 's3://bucket/d.zarr' needs obstore: "
         'pip install ".[remote]" in a checkout of xarray-gds',
@@ -221,17 +246,21 @@ def test_parquet_references_without_fastparquet_name_the_extra(tmp_path: Path) -
     refs = tmp_path / "refs.parq"
     refs.mkdir()
     (refs / ".zmetadata").write_text(json.dumps({"record_size": 10, "metadata": {}}))
+    plain = tmp_path / "refs.json"  # a JSON reference set needs no fastparquet
+    plain.write_text(json.dumps({"version": 1, "refs": {".zgroup": '{"zarr_format": 2}'}}))
     out = _blocked(
         "import xarray as xr, xarray_gds\n"
         "try:\n"
         f"    xr.open_dataset({str(refs)!r}, engine='gds-zarr', device='cpu')\n"
         "except ImportError as err:\n"
-        "    print(err)\n",
+        "    print(err)\n"
+        f"print(dict(xr.open_dataset({str(plain)!r}, engine='gds-zarr', device='cpu').sizes))\n",
         allow=("fsspec",),
     )
     assert out == [
         'reading Parquet reference sets needs fastparquet: pip install ".[refs]" in a '
-        "checkout of xarray-gds"
+        "checkout of xarray-gds",
+        "{}",
     ]
 
 

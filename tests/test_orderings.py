@@ -1299,23 +1299,30 @@ def test_a_damaged_chunk_in_a_batch(env: Env, tmp_path: Path, route: str, damage
     assert in_use_at_return(env.log) == []
 
 
+@pytest.mark.parametrize("chunk", ["1.2", "0.1"])
 @pytest.mark.parametrize("fault", ["short", "raise"])
-def test_a_read_that_fails_part_way(env: Env, tmp_path: Path, fault: str) -> None:
-    """kvikio's read of one chunk of twelve comes back short, or its future raises:
-    every read in flight ends before the arena goes back and the files close, the error
-    names the chunk, and the next read is right."""
+def test_a_read_that_fails_part_way(env: Env, tmp_path: Path, fault: str, chunk: str) -> None:
+    """kvikio's read of one chunk of twelve (the first one read, or one after it) comes
+    back short, or its future raises: every read in flight ends before the arena goes
+    back and every file opened closes, the error names the chunk (the future's own
+    error its cause), and the next read is right."""
     path = _store(tmp_path / "s.zarr")
     want = _engine_zarr(path)
-    env.kvikio.faults = {"v/1.2": fault}
+    env.kvikio.faults = {f"v/{chunk}": fault}
     with zarr.config.set({"xarray_gds.route": "gpu", "xarray_gds.small_read": 0}):
         ds = _device_read(path)
-        with pytest.raises((OSError, RuntimeError)) as caught:
+        with pytest.raises(OSError) as caught:
             ds["v"].values  # noqa: B018
-        assert "1.2" in str(caught.value)
+        assert chunk in str(caught.value)
+        if fault == "raise":
+            assert isinstance(caught.value.__cause__, RuntimeError)
+            assert str(caught.value.__cause__).startswith("cuFile read of ")
         del caught
         gc.collect()
         log = env.log
         assert len(log.find("pread")) == 11 and not log.find("decode")
+        opened = sorted({log.entries[i].detail[1] for i in log.find("pread")})
+        assert sorted(log.entries[i].detail for i in log.find("close")) == opened
         assert in_use_at_return(log) == []
         env.kvikio.faults = {}
         np.testing.assert_array_equal(np.asarray(ds["v"].values), want)

@@ -631,3 +631,90 @@ def test_chunks_inside_the_consolidated_shape_stay(tmp_path: Path, fmt: int) -> 
     assert [(i.path, i.kind) for i in tidy(root, dry_run=False, trust_consolidated=True)] == ahead
     assert set(_snapshot(root)) == set(before)
     _same(_read(root, "zarr"), reads)
+
+
+def test_leftovers_are_listed_in_path_order(tmp_path: Path) -> None:
+    """Whatever order the file system lists directories and files in."""
+    root = tmp_path / "store.zarr"
+    _write(root, 3, True)
+    made = []
+    for name in ("t2m", "sp"):
+        for i, j in [(2, 1), (0, 1), (1, 0), (2, 0), (0, 0), (1, 1)]:
+            for last in (5, 0, 7, 2, 4, 1, 6, 3):
+                path = f"{name}/c/{i}/{j}/{_temp(str(last))}"
+                (root / path).write_bytes(b"partial")
+                made.append(path)
+    found = [item.path for item in find_leftovers(root)]
+    assert found == sorted(made)
+
+
+def test_a_node_whose_name_sorts_before_a_dot(tmp_path: Path) -> None:
+    """A variable named "+anomaly" (its directory's name sorts before ".") is a node
+    like any other, not taken for the store's root."""
+    root = tmp_path / "store.zarr"
+    ds = _dataset().rename({"t2m": "+anomaly"})
+    xarray_gds.to_zarr(ds, root, zarr_format=3, consolidated=True)
+    assert find_leftovers(root) == []
+    (root / "+anomaly" / _temp("zarr.json")).write_bytes(b"{")
+    assert [item.path for item in find_leftovers(root)] == [f"+anomaly/{_temp('zarr.json')}"]
+
+
+def test_a_store_under_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path / "store.zarr", 3, True)
+    (tmp_path / "store.zarr" / _temp("zarr.json")).write_bytes(b"{")
+    assert [item.kind for item in tidy("~/store.zarr")] == ["partial-file"]
+
+
+@pytest.mark.parametrize("zarr_format", [2, 4])
+def test_a_v3_document_of_another_format_is_damaged(tmp_path: Path, zarr_format: int) -> None:
+    root = tmp_path / "store.zarr"
+    _write(root, 3, False)
+    doc = json.loads((root / "t2m/zarr.json").read_text())
+    doc["zarr_format"] = zarr_format
+    (root / "t2m/zarr.json").write_text(json.dumps(doc))
+    assert find_leftovers(root) == [
+        Leftover("t2m/zarr.json", DAMAGED, "does not parse as a Zarr document")
+    ]
+
+
+def test_a_v2_directory_both_array_and_group_is_damaged(tmp_path: Path) -> None:
+    root = tmp_path / "store.zarr"
+    _write(root, 2, False)
+    (root / "t2m/.zgroup").write_text('{"zarr_format": 2}')
+    before = _snapshot(root)
+    assert find_leftovers(root) == [
+        Leftover("t2m/.zgroup", DAMAGED, "does not parse as a Zarr document")
+    ]
+    tidy(root, dry_run=False)
+    assert _snapshot(root) == before
+
+
+def test_a_v2_root_without_its_group_document(tmp_path: Path) -> None:
+    """A .zmetadata without the root's .zgroup: the root is damaged, only the engine's
+    temporary files go."""
+    root = tmp_path / "store.zarr"
+    _write(root, 2, True)
+    (root / ".zgroup").unlink()
+    (root / "t2m" / _temp("0.0.0")).write_bytes(b"partial")
+    before = _snapshot(root)
+    assert find_leftovers(root) == [
+        Leftover(
+            f"t2m/{_temp('0.0.0')}", "partial-file", "a file being written when the writer stopped"
+        ),
+        Leftover(".zgroup", DAMAGED, "missing beside .zmetadata"),
+    ]
+    tidy(root, dry_run=False)
+    del before[f"t2m/{_temp('0.0.0')}"]
+    assert _snapshot(root) == before
+
+
+def test_damaged_nodes_are_listed_in_path_order(tmp_path: Path) -> None:
+    root = tmp_path / "store.zarr"
+    _write(root, 3, False)
+    for name in ("sp", "t2m", "x"):
+        (root / name / "zarr.json").write_bytes(b"{")
+    assert find_leftovers(root) == [
+        Leftover(f"{name}/zarr.json", DAMAGED, "does not parse as a Zarr document")
+        for name in ("sp", "t2m", "x")
+    ]

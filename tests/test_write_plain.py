@@ -203,7 +203,22 @@ def test_device_values_stay_wrapped_through_numpy_calls() -> None:
     assert isinstance(np.round(packed), DeviceValues)
     assert np.result_type(values, np.int16(1)) == np.dtype("f4")
     assert (values.shape, values.dtype, values.ndim, values.size) == ((2, 2), np.dtype("f4"), 2, 4)
+    assert values.nbytes == 16
     assert isinstance(values[0], DeviceValues) and not isinstance(values[0, 0], DeviceValues)
+    assert values[0, 0] == np.float32(1.5)
+    assert isinstance(np.isnan(values), DeviceValues)
+    # device values as an index, and as a keyword argument of a numpy function
+    rows = values[DeviceValues(np.array([True, False]))]
+    assert isinstance(rows, DeviceValues)
+    np.testing.assert_array_equal(rows.values, raw[:1])
+    taken = np.take(values, indices=DeviceValues(np.array([1, 0])), axis=0)
+    assert isinstance(taken, DeviceValues)
+    np.testing.assert_array_equal(taken.values, raw[::-1])
+    # a ufunc of two outputs in place: both wrappers given come back
+    quotient, remainder = DeviceValues(np.empty(2, "f4")), DeviceValues(np.empty(2, "f4"))
+    both = np.divmod(values[1], np.float32(2), out=(quotient, remainder))
+    assert isinstance(both, tuple) and both[0] is quotient and both[1] is remainder
+    np.testing.assert_array_equal(quotient.values, np.divmod(raw[1], np.float32(2))[0])
     with pytest.raises(TypeError, match="not converted to numpy implicitly"):
         np.asarray(values)
 
