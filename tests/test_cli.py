@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1132,6 +1133,94 @@ def test_an_error_of_the_program_says_so_and_how_to_see_it(
         "xarray-gds calibrate: error: internal error: ZeroDivisionError: integer division "
         "or modulo by zero"
     )
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["info", "--help"], ["tidy", "--help"]])
+def test_help_tells_what_debug_does(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--debug on an error, print its traceback too (before or after the command)" in out
+
+
+def _raising(error: Callable[[], BaseException]) -> Callable[[Any], int]:
+    def run(args: Any) -> int:
+        raise error()
+
+    return run
+
+
+def _import_error_from_a_missing_module() -> ImportError:
+    """ImportError(None) raised from the ModuleNotFoundError, as fsspec raises it."""
+    try:
+        import xgds_no_such_module  # noqa: F401
+    except ImportError as err:
+        try:
+            raise ImportError(None) from err
+        except ImportError as wrapped:
+            return wrapped
+    raise AssertionError("imported")
+
+
+def _import_error_in_handling_a_missing_module() -> ImportError:
+    """ImportError(None) raised while handling the ModuleNotFoundError (its context)."""
+    try:
+        import xgds_no_such_module  # noqa: F401
+    except ImportError:
+        try:
+            raise ImportError(None)
+        except ImportError as wrapped:
+            return wrapped
+    raise AssertionError("imported")
+
+
+def _import_error_caused_outside_a_handler() -> ImportError:
+    """ImportError(None) whose cause (of two lines) was set outside any handler (no
+    context)."""
+    error = ImportError(None)
+    error.__cause__ = ModuleNotFoundError("No module named 'xgds_no_such_module'\n  (why)")
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (_import_error_from_a_missing_module, "No module named 'xgds_no_such_module'"),
+        (_import_error_in_handling_a_missing_module, "No module named 'xgds_no_such_module'"),
+        (_import_error_caused_outside_a_handler, "No module named 'xgds_no_such_module' (why)"),
+        (
+            lambda: ImportError(None, name="aiohttp"),
+            "a package this needs is not installed (aiohttp)",
+        ),
+        (ImportError, "a package this needs is not installed (ImportError)"),
+        (ValueError, "ValueError"),
+        (lambda: ValueError("first line\n  second line"), "first line second line"),
+    ],
+    ids=[
+        "import-error-from",
+        "import-error-in-handler",
+        "import-error-cause-only",
+        "import-error-named",
+        "import-error-bare",
+        "empty",
+        "two-lines",
+    ],
+)
+def test_a_users_error_without_words_of_its_own(
+    error: Callable[[], BaseException],
+    line: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An error with no text says what it is; an ImportError without text says what its
+    cause says, else which package is missing; a text of several lines comes as one."""
+    monkeypatch.setattr(cli, "_run_calibrate", _raising(error))
+    assert cli.main(["calibrate"]) == 1
+    assert capsys.readouterr().err == f"xarray-gds calibrate: error: {line}\n"
+    assert cli.main(["calibrate", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last):\n" in err
+    assert err.endswith(f"\nxarray-gds calibrate: error: {line}\n")
+    assert err.splitlines()[-2].strip() != ""  # the traceback's last line, right above
 
 
 @pytest.mark.parametrize(
