@@ -242,6 +242,20 @@ def _v3_store(path: Path) -> Path:
     return path
 
 
+def test_info_counts_the_groups_and_arrays_below_the_node(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _v3_store(tmp_path / "s.zarr")
+    assert cli.main(["info", str(path), "--device", "cpu"]) == 0
+    assert "node:         / (group: 2 arrays in 2 groups)\n" in capsys.readouterr().out
+    analysis = zarr.open_group(path, mode="a").create_group("analysis")
+    analysis.create_array("sst", shape=(4,), dtype="f4", dimension_names=("lat",))
+    assert cli.main(["info", str(path), "--device", "cpu"]) == 0
+    assert "node:         / (group: 3 arrays in 3 groups)\n" in capsys.readouterr().out
+    assert cli.main(["info", str(path), "--group", "analysis", "--device", "cpu"]) == 0
+    assert "node:         /analysis (group: 1 array in 1 group)\n" in capsys.readouterr().out
+
+
 def test_info_names_a_relative_path_as_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1140,6 +1154,28 @@ def test_help_tells_what_debug_does(argv: list[str], capsys: pytest.CaptureFixtu
     assert cli.main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--debug on an error, print its traceback too (before or after the command)" in out
+
+
+def test_tidy_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tidy list, and with --delete remove, what killed writes left in a local store" in out
+    assert cli.main(["tidy", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "List what a writer killed with SIGKILL can leave in a local Zarr store" in out
+
+
+def test_tidy_deletes_or_dry_runs_not_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _v3_store(tmp_path / "s.zarr")
+    before = sorted(p.name for p in path.rglob("*"))
+    assert cli.main(["tidy", str(path), "--delete", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "xarray-gds tidy: error: argument -n/--dry-run: not allowed with argument --delete"
+    )
+    assert sorted(p.name for p in path.rglob("*")) == before
 
 
 def _raising(error: Callable[[], BaseException]) -> Callable[[Any], int]:
