@@ -877,8 +877,10 @@ def confirm(
     suite, or the rest of their lines' tests), as many at a time as change no line in
     common. While a run fails, its first failing test runs against each of the group's
     mutants whose line it ran (or each one, if none did), alone, and those it kills
-    leave the group; where it kills none alone, the group is halved. One run for all
-    when none is killed, the usual case. Marks those killed; returns the runs made."""
+    leave the group; where it kills none alone, or the run failed outside any test (a
+    module that does not import, a collection error, a timeout), the group is halved.
+    One run for all when none is killed, the usual case. Marks those killed; returns the
+    runs made."""
     runs = 0
 
     def check(group: list[mutation_tool.Mutant]) -> None:
@@ -903,7 +905,12 @@ def confirm(
                 group[0].outcome = "killed" if status is not None else "timeout"
                 group[0].stage = stage
                 return
-            failed = sorted(mutation_tool.failures(out)) if status is not None else []
+            # a test that failed (a node id): run against each mutant alone below; an
+            # error outside the tests (a module that no longer imports: pytest's exit
+            # status 4 for conftest, 2 for a collection error, naming a file) halves
+            failed = sorted(t for t in mutation_tool.failures(out) if not t.endswith(".py"))
+            if status != 1:
+                failed = []
             killed = []
             if failed:
                 test = failed[0]

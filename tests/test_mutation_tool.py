@@ -283,6 +283,51 @@ def test_whole_suite_stage_finds_the_killed() -> None:
     assert all(m.stage == "suite" for m in alive)
 
 
+class _ImportBreakingRunner(_FakeRunner):
+    """A run with the mutant of line 2 fails at conftest's import (exit status 4), one
+    with line 7's at a test file's collection (2): pytest names a file, not a test."""
+
+    def together(self, group, tests, timeout):
+        lines = sorted(m.line for m in group)
+        self.together_runs.append(lines)
+        if 2 in lines:
+            return 4, "ImportError while loading conftest '/c/tests/conftest.py'.\n"
+        if 7 in lines:
+            return 2, "ERROR tests/test_b.py - NameError: name 'v7' is not defined\n"
+        return 0, ""
+
+
+def test_an_error_outside_the_tests_halves_the_group() -> None:
+    """No test is named: the group is halved (a file named by a collection error is not
+    run against each mutant alone) down to the mutants that break the import."""
+    run = _script()
+    source = "".join(f"v{i} = {i}\n" for i in range(1, 9))
+    found, _ = mt.mutants(source, "m.py", "m")
+    alive = [
+        next(m for m in found if m.line == i and m.operator == "RemoveStatement")
+        for i in range(1, 9)
+    ]
+    for m in alive:
+        m.selected = {"tests/test_b.py::t"}
+    fake = _ImportBreakingRunner(source)
+    run.confirm(alive, fake, lambda group: ["tests"], 60, "suite")
+    assert {m.line: m.outcome for m in alive if m.outcome} == {2: "killed", 7: "killed"}
+    assert fake.alone == []
+    assert fake.together_runs == [
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        [1, 2, 3, 4],
+        [1, 2],
+        [1],
+        [2],
+        [3, 4],
+        [5, 6, 7, 8],
+        [5, 6],
+        [7, 8],
+        [7],
+        [8],
+    ]
+
+
 def test_mutants_applied_together_are_put_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
