@@ -310,6 +310,22 @@ def test_an_icechunk_repository_by_its_layout(
         xr.open_dataset(path, engine="gds-zarr", device="cpu")
 
 
+def test_a_store_with_variables_named_snapshots_and_refs_opens(
+    tmp_path: Path,
+) -> None:
+    """A Zarr store whose variables are named snapshots and refs (their directories
+    those of an Icechunk 1 repository) is a Zarr store: its root holds Zarr metadata."""
+    path = tmp_path / "s.zarr"
+    xr.Dataset({"snapshots": ("x", np.arange(3.0)), "refs": ("x", np.arange(3.0))}).to_zarr(
+        path, zarr_format=3, consolidated=False
+    )
+    with (
+        xr.open_dataset(path, engine="zarr") as ref,
+        xr.open_dataset(path, engine="gds-zarr", device="cpu") as ds,
+    ):
+        xr.testing.assert_identical(ds.load(), ref.load())
+
+
 @pytest.mark.parametrize(
     ("dirs", "files"),
     [(("snapshots",), ()), (("refs",), ("repo",)), (("snapshots", "repo"), ())],

@@ -302,7 +302,8 @@ def _open_path(text: str, read_only: bool) -> GdsStore:
             "with kerchunk or VirtualiZarr and open that with engine='gds-zarr' to decode "
             "its chunks on the GPU (see the NetCDF page of the docs, docs/netcdf.md)"
         )
-    if _is_icechunk_repository(path):
+    is_store = path.is_dir() and any((path / name).exists() for name in _ROOT_METADATA)
+    if not is_store and _is_icechunk_repository(path):  # (variables may be named so)
         raise ValueError(
             f"'{path}' is an Icechunk repository, not a Zarr store: open a session's "
             "store, repo = icechunk.Repository.open(icechunk.local_filesystem_storage("
@@ -310,7 +311,7 @@ def _open_path(text: str, read_only: bool) -> GdsStore:
             "engine='gds-zarr', storage_options={'icechunk_storage': repo.storage}) "
             "(see the Icechunk page of the docs, docs/icechunk.md)"
         )
-    if not path.is_dir() or not any((path / name).exists() for name in _ROOT_METADATA):
+    if not is_store:
         raise ValueError(
             f"'{path}' is not a Zarr store: it is not a directory holding "
             "zarr.json (Zarr v3) or .zgroup/.zarray/.zmetadata (Zarr v2)"
