@@ -718,3 +718,42 @@ def test_damaged_nodes_are_listed_in_path_order(tmp_path: Path) -> None:
         Leftover(f"{name}/zarr.json", DAMAGED, "does not parse as a Zarr document")
         for name in ("sp", "t2m", "x")
     ]
+
+
+def test_the_command_line_on_a_node_the_consolidated_metadata_does_not_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Someone added an array without consolidating: kept and said why, unless the
+    consolidated metadata is trusted; a damaged document is counted apart."""
+    root = tmp_path / "s.zarr"
+    _write(root, 3, True)
+    zarr.open_group(root, mode="a", use_consolidated=False).create_array(
+        "new", shape=(2,), dtype="f4"
+    )
+    assert main(["tidy", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        "0 leftover(s) would be removed or put back (dry run)",
+        "kept  unconsolidated-node new  (not in the consolidated metadata)",
+    ]
+    assert out[2].startswith("1 difference(s) from the consolidated metadata kept: if only ")
+    assert len(out) == 3
+    assert main(["tidy", str(root), "--trust-consolidated"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "unconsolidated-node new  (not in the consolidated metadata)",
+        "1 leftover(s) would be removed or put back (dry run)",
+        "run again with --delete to remove them",
+    ]
+    (root / "sp" / "zarr.json").write_bytes(b"{")
+    assert main(["tidy", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:3] == [
+        "kept  damaged           sp/zarr.json  (does not parse as a Zarr document)",
+        "kept  unconsolidated-node new  (not in the consolidated metadata)",
+    ]
+    assert out[3].startswith("1 difference(s) from the consolidated metadata kept")
+    assert out[4].startswith("1 damaged document(s) kept, with all of their nodes: ")
+    (root / "t2m" / "zarr.json").write_bytes(b"{")
+    assert main(["tidy", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("2 damaged document(s) kept, with all of their nodes: ")
