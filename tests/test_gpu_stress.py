@@ -335,6 +335,8 @@ def late_streams(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         prefetcher_init(self, late_read, plan, depth, gpu)
 
+    if os.environ.get("XARRAY_GDS_STRESS_LATE") == "0":  # the busy card alone
+        return calls
     monkeypatch.setattr(files, "_read_kvikio", late_read_kvikio)
     monkeypatch.setattr(files, "_read_staged", late_read_staged)
     monkeypatch.setattr(files, "_read_slotted", late_read_slotted)
@@ -471,5 +473,7 @@ def test_busy_card_reads_and_writes_are_exact(
     if report:  # which hand-overs each wave went through, for the record
         with open(report, "a") as f:
             f.write(json.dumps({"wave": wave, "calls": dict(late_streams)}) + "\n")
+    if os.environ.get("XARRAY_GDS_STRESS_LATE") == "0":
+        return
     missing = CROSSED[wave] - set(late_streams)
     assert not missing, f"wave {wave} never went through {sorted(missing)}: {dict(late_streams)}"
