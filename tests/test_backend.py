@@ -289,6 +289,16 @@ def test_directory_that_is_not_a_store(tmp_path: Path) -> None:
         xr.open_dataset(tmp_path / "notes.txt", engine="gds-zarr", device="cpu")
 
 
+def _layout(path: Path, dirs: tuple[str, ...], files: tuple[str, ...]) -> Path:
+    """A directory holding the directories ``dirs`` and empty files ``files``."""
+    path.mkdir()
+    for d in dirs:
+        (path / d).mkdir()
+    for f in files:
+        (path / f).write_bytes(b"")
+    return path
+
+
 @pytest.mark.parametrize(
     ("dirs", "files"),
     [((), ()), (("snapshots", "refs"), ()), (("snapshots",), ("repo",))],
@@ -299,12 +309,7 @@ def test_an_icechunk_repository_by_its_layout(
 ) -> None:
     """A snapshots directory beside a refs directory (Icechunk 1) or a repo file
     (Icechunk 2) is a repository; a directory of neither is no Zarr store."""
-    path = tmp_path / "repo"
-    path.mkdir()
-    for d in dirs:
-        (path / d).mkdir()
-    for f in files:
-        (path / f).write_bytes(b"")
+    path = _layout(tmp_path / "repo", dirs, files)
     kind = "an Icechunk repository" if dirs else "not a Zarr store: it is not a directory"
     with pytest.raises(ValueError, match=f"^'{path}' is {kind}"):
         xr.open_dataset(path, engine="gds-zarr", device="cpu")
@@ -334,12 +339,7 @@ def test_a_store_with_variables_named_snapshots_and_refs_opens(
 def test_not_an_icechunk_repository(
     tmp_path: Path, dirs: tuple[str, ...], files: tuple[str, ...]
 ) -> None:
-    path = tmp_path / "repo"
-    path.mkdir()
-    for d in dirs:
-        (path / d).mkdir()
-    for f in files:
-        (path / f).write_bytes(b"")
+    path = _layout(tmp_path / "repo", dirs, files)
     with pytest.raises(ValueError, match=f"^'{path}' is not a Zarr store: it is not a directory"):
         xr.open_dataset(path, engine="gds-zarr", device="cpu")
 

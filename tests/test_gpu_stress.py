@@ -75,6 +75,16 @@ extern "C" __global__ void spin(long long cycles) {
 }
 """
 
+
+def _spinner() -> tuple[Any, int]:
+    """The spin kernel and the card's clock cycles a second (kHz in CUDA's attribute;
+    about 2 GHz where a driver leaves it out)."""
+    import cupy as cp
+
+    rate = (cp.cuda.Device().attributes.get("ClockRate") or 2_000_000) * 1000
+    return cp.RawKernel(_SPIN, "spin"), rate
+
+
 #: (zarr format, encoding of variable "a") of the stores read and written
 CODECS: dict[str, tuple[int, dict[str, Any]]] = {
     "zstd-v3": (3, {"compressors": [zc.ZstdCodec(level=1)]}),
@@ -173,9 +183,7 @@ def busy_card() -> Iterator[Callable[[int], None]]:
     limit = pool.get_limit()
     pool.free_all_blocks()
     pool.set_limit(size=POOL_LIMIT)
-    spin = cp.RawKernel(_SPIN, "spin")
-    # cycles a second (kHz in CUDA's attribute; about 2 GHz where a driver leaves it out)
-    rate = (cp.cuda.Device().attributes.get("ClockRate") or 2_000_000) * 1000
+    spin, rate = _spinner()
     rng = np.random.default_rng(0)
     lock = threading.Lock()
     whole = int(np.prod(SHAPE)) * 4
@@ -219,8 +227,7 @@ def late_streams(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     from xarray_gds.loader import prefetch
     from xarray_gds.stores import files
 
-    spin = cp.RawKernel(_SPIN, "spin")
-    rate = (cp.cuda.Device().attributes.get("ClockRate") or 2_000_000) * 1000
+    spin, rate = _spinner()
     calls: Counter[str] = Counter()
     lock = threading.Lock()
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -252,17 +253,23 @@ class _FakeRunner:
         return (1 if m.line == 6 and tests == ["t6"] else 0), True
 
 
+def _eight_statements_removed() -> tuple[str, list[Any]]:
+    """A module of eight assignments, and the mutant removing each (line 1 to 8)."""
+    source = "".join(f"v{i} = {i}\n" for i in range(1, 9))
+    found, _ = mt.mutants(source, "m.py", "m")
+    removed = [
+        next(m for m in found if m.line == i and m.operator == "RemoveStatement")
+        for i in range(1, 9)
+    ]
+    return source, removed
+
+
 def test_whole_suite_stage_finds_the_killed() -> None:
     """The mutants alive go to the whole suite together. A failing run's first failing
     test runs against the mutants whose line it ran, alone: the one it kills leaves
     the group. A run that fails naming no test (a timeout) halves the group."""
     run = _script()
-    source = "".join(f"v{i} = {i}\n" for i in range(1, 9))
-    found, _ = mt.mutants(source, "m.py", "m")
-    alive = [
-        next(m for m in found if m.line == i and m.operator == "RemoveStatement")
-        for i in range(1, 9)
-    ]
+    source, alive = _eight_statements_removed()
     for m in alive:
         m.selected = {"t6"} if m.line in (5, 6) else {"t1"}
     fake = _FakeRunner(source)
@@ -301,12 +308,7 @@ def test_an_error_outside_the_tests_halves_the_group() -> None:
     """No test is named: the group is halved (a file named by a collection error is not
     run against each mutant alone) down to the mutants that break the import."""
     run = _script()
-    source = "".join(f"v{i} = {i}\n" for i in range(1, 9))
-    found, _ = mt.mutants(source, "m.py", "m")
-    alive = [
-        next(m for m in found if m.line == i and m.operator == "RemoveStatement")
-        for i in range(1, 9)
-    ]
+    source, alive = _eight_statements_removed()
     for m in alive:
         m.selected = {"tests/test_b.py::t"}
     fake = _ImportBreakingRunner(source)
