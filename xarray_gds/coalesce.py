@@ -54,6 +54,7 @@ __all__ = [
     "fetch_decode",
     "fetch_decode_many",
     "fetch_decode_parts",
+    "read_only",
 ]
 
 
@@ -354,6 +355,15 @@ def fetch_decode_parts(parts: list[ReadRequest], consume: Callable[[int, Decoded
     for) while part ``k`` decodes and is consumed; at most two parts' results are alive
     at once. Raises the first part's error."""
     _engine.fetch_decode_parts(parts, consume)
+
+
+def read_only(request: ReadRequest) -> Any:
+    """The chunks of ``request`` read as the engine reads a group of it alone (its
+    store's source, one batch, into device memory for a device request), nothing
+    decoded: the ``read-only`` bound of ``xarray-gds bench``. Returns the fetched
+    batch (a :class:`~xarray_gds.batch.DeviceBatch` or host batch); a chunk that does
+    not exist has a negative size in it (``None`` on the host)."""
+    return _read([_located(request)])
 
 
 #: what a consumed part's request keeps (its chunks are released)

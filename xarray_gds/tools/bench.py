@@ -32,6 +32,7 @@ import zarr.codecs as zc
 from xarray_gds import _optional
 from xarray_gds import device as _device
 from xarray_gds.tools import (
+    bench_bounds,
     bench_cluster,
     bench_icechunk,
     bench_loader,
@@ -293,18 +294,20 @@ def decode_only(path: Path) -> Callable[[], Any]:
 
 
 def _raw(path: Path) -> dict[str, Callable[[], Any]]:
-    """The raw-limit and decode-only contenders where they apply: chunks of one stream
-    codec (not Blosc frames, not shards, which one nvCOMP stream call cannot decode
-    whole)."""
+    """The bounds of a device load of a local store: ``read-only`` (see
+    :func:`bench_bounds.read_bound`), and the raw-limit and decode-only contenders where
+    they apply: chunks of one stream codec (not Blosc frames, not shards, which one nvCOMP stream
+    call cannot decode whole)."""
     from xarray_gds.codecs import DecodeChain, plan_chain
 
+    bounds = bench_bounds.read_bound(path, on_device=True, consolidated=True)
     name = next(p.name for p in sorted(path.iterdir()) if p.is_dir())
     chain = plan_chain(zarr.open_array(path / name, mode="r").metadata)
     ok = isinstance(chain, DecodeChain) and chain.compressor is not None
     if not ok or chain.compressor.name not in ("zstd", "lz4", "gzip", "zlib"):  # type: ignore[union-attr]
-        return {}
+        return bounds
     decode = _Lazy(lambda: decode_only(path))
-    return {"raw-limit": lambda: raw_limit(path), "decode-only": decode}
+    return {"raw-limit": lambda: raw_limit(path), "decode-only": decode, **bounds}
 
 
 class _Lazy:
@@ -473,16 +476,22 @@ def _host_usage(kind: str, step: int = 1, n_steps: int = 8) -> Callable[[Any], d
 
     def contenders(p: Any) -> dict[str, Callable[[], Any]]:
         if kind == "eager":
-            return {"gds-zarr": lambda: _host(p).load(), "zarr": lambda: _zarr(p).load()}
+            return {
+                "gds-zarr": lambda: _host(p).load(),
+                "zarr": lambda: _zarr(p).load(),
+                **bench_bounds.read_bound(p, on_device=False, consolidated=True),
+            }
         if kind == "chunks":
             return {
                 "gds-zarr": lambda: _host(p, chunks={}).compute(),
                 "zarr": lambda: _zarr(p, chunks={}).compute(),
+                **bench_bounds.read_bound(p, on_device=False, consolidated=True),
             }
         if kind == "async":
             return {
                 "gds-zarr": lambda: _async_load(_host(p)),
                 "zarr": lambda: _async_load(_zarr(p)),
+                **bench_bounds.read_bound(p, on_device=False, consolidated=True),
             }
         if kind == "mfdataset":
             return {
@@ -813,7 +822,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
             "zarr": lambda: _load_zarr(p, True),
-            "raw-limit": lambda: raw_limit(p),
+            **_raw(p),
         },
     },
     "blosc-v2-4MB": {
@@ -824,6 +833,7 @@ CASES: dict[str, dict[str, Any]] = {
         "contenders": lambda p: {
             "gds-zarr": lambda: _load_gds(p, "cuda"),
             "zarr": lambda: _load_zarr(p, True),
+            **_raw(p),
         },
     },
     "zstd-sharded-256KiB": {

@@ -30,6 +30,7 @@ from typing import Any
 import xarray as xr
 
 from xarray_gds import device as _device
+from xarray_gds.tools import bench_bounds
 from xarray_gds.tools.bench_refs import note, write_netcdf
 
 __all__ = [
@@ -95,11 +96,15 @@ def _load(repo: Any, engine: str, device: str | None, chunks: dict[str, Any] | N
 
 def _loads(repo: Any, device: str) -> dict[str, Callable[[], Any]]:
     """Each engine's load of the repository, eager and with ``chunks={}``."""
-    return {
+    loads: dict[str, Callable[[], Any]] = {
         f"{engine}{suffix}": functools.partial(_load, repo, engine, device, chunks)
         for engine in ("gds-zarr", "zarr")
         for suffix, chunks in (("", None), (" chunks={}", {}))
     }
+    store = repo.readonly_session("main").store
+    options = {"icechunk_storage": repo.storage}
+    on_device = device == "cuda"
+    return loads | bench_bounds.read_bound(store, on_device=on_device, storage_options=options)
 
 
 def contenders(store: Path) -> dict[str, Callable[[], Any]]:

@@ -29,6 +29,7 @@ import xarray as xr
 import zarr
 
 from xarray_gds import device as _device
+from xarray_gds.tools import bench_bounds
 
 __all__ = ["contenders", "host_contenders", "note", "prepare", "readers", "write_netcdf"]
 
@@ -112,6 +113,7 @@ def readers(nc: Path, refs: Path) -> dict[str, Callable[[], Any]]:
             xr.open_dataset(nc, engine="h5netcdf", chunks={})["t"].compute().values
         ),
         "zarr chunks={}": lambda: cp.asarray(_zarr_refs(refs, chunks={})["t"].compute().values),
+        **bench_bounds.read_bound(refs, on_device=True),
     }
 
 
@@ -131,6 +133,7 @@ def host_contenders(store: Path) -> dict[str, Callable[[], Any]]:
         "gds-zarr": gds,
         "h5netcdf": lambda: xr.open_dataset(nc, engine="h5netcdf")["t"].values,
         "zarr": lambda: _zarr_refs(refs)["t"].values,
+        **bench_bounds.read_bound(refs, on_device=False),
     }
 
 
