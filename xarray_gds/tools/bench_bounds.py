@@ -54,7 +54,7 @@ def chunk_requests(
     group = zarr.open_group(opened.store, mode="r", use_consolidated=opened.consolidated)
     requests = []
     for name in names:
-        array = group[name]
+        array = group[str(name)]
         assert isinstance(array, zarr.Array)
         chain = plan_chain(array.metadata)
         if not isinstance(chain, DecodeChain):
