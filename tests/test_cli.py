@@ -688,9 +688,9 @@ def test_bench_usage_sharded_shards_case(
 
 
 @pytest.mark.gpu
-def test_bench_usage_eager_has_decode_only_and_split_contenders(tmp_path: Path) -> None:
-    """The decode ceiling (one nvCOMP call over chunks already on the device) and the
-    GPU/host split are timed beside the engine in the same case."""
+def test_bench_usage_eager_has_its_bounds_and_split_contenders(tmp_path: Path) -> None:
+    """The bounds (the engine's reads alone, one nvCOMP call over chunks already on the
+    device) and the GPU/host split are timed beside the engine in the same case."""
     from xarray_gds.tools import bench
 
     (result,) = bench.run(tmp_path, size_gb=0.02, repeat=1, cases=["usage-eager-2var"])
@@ -700,6 +700,7 @@ def test_bench_usage_eager_has_decode_only_and_split_contenders(tmp_path: Path) 
         "zarr",
         "raw-limit",
         "decode-only",
+        "read-only",
     }
 
 
@@ -739,7 +740,7 @@ def test_bench_netcdf_refs_host_case(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert cli.main([*argv, "--json", str(out_json)]) == 0
     assert "gds-zarr vs the faster other" in capsys.readouterr().out
     (result,) = json.loads(out_json.read_text())["results"]
-    assert set(result["seconds"]) == {"gds-zarr", "h5netcdf", "zarr"}
+    assert set(result["seconds"]) == {"gds-zarr", "h5netcdf", "zarr", "read-only"}
 
 
 def test_bench_stores_do_not_warn_about_consolidated_metadata(tmp_path: Path) -> None:

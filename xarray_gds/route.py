@@ -1,4 +1,5 @@
-"""Where a batch of GPU-bound chunks decodes: nvCOMP on the GPU, or the host pool.
+"""Where a batch of GPU-bound chunks decodes (and a batch of device values encodes):
+nvCOMP on the GPU, or the host pool.
 
 nvCOMP spreads a batch over its chunks, so a batch of few chunks uses a small part of
 the GPU: on an H200 one 4 MB chunk of zarr's default compressor took 37.8 ms alone, 8
@@ -22,6 +23,13 @@ or its JSON text in ``XARRAY_GDS_ROUTE_CONSTANTS``). ``xarray_gds.route`` forces
 route: ``"gpu"``, ``"host"``, or ``"auto"`` (the default). Values are identical on
 either route: both decode the same streams and place the same chunks, and the result
 is on the device either way.
+
+Writes of device values take the same decision the other way (:func:`choose_encode`):
+nvCOMP's ``call + chunk_bytes / encode_gpu_chunk + batch_bytes / encode_gpu_batch``
+against one copy of the batch to the host (``d2h``) and ``rounds * chunk_bytes /
+encode_host_thread``, the host threads encoding a chunk each with the array's numcodecs
+codec (so the stored bytes are those zarr writes). Small writes in loops (an append of
+a step, a region of a chunk) are what the host route serves.
 
 A batch sent to the GPU may still give the host pool a share (:func:`split`, a
 :class:`Split`): ``k`` of its chunks decode on the host threads while nvCOMP decodes
@@ -51,7 +59,18 @@ from typing import Any
 from xarray_gds import config
 from xarray_gds.codecs.formats import FORMATS, Format, Rates
 
-__all__ = ["Costs", "Rates", "Split", "choose", "costs", "estimate", "plan", "split"]
+__all__ = [
+    "Costs",
+    "Rates",
+    "Split",
+    "choose",
+    "choose_encode",
+    "costs",
+    "estimate",
+    "estimate_encode",
+    "plan",
+    "split",
+]
 
 #: Each format's default rates, by name.
 _DEFAULT_RATES = tuple((name, f.rates) for name, f in FORMATS.items() if f.rates is not None)
@@ -64,6 +83,7 @@ class Costs:
     gpu_call: float = 2.1e-3  #: seconds of one nvCOMP batch call (of one tiny chunk)
     host_call: float = 1.0e-4  #: seconds of one host batch, pool hand-off included
     h2d: float = 6.0e9  #: bytes a second of the copy of decoded chunks to the device
+    d2h: float = 6.0e9  #: bytes a second of the copy of chunks to encode to the host
     threads: int = 0  #: host decode threads (0: the shared pool's size)
     #: seconds of a chunk's Python work on the host (header checks, the pool's hand-off),
     #: which the GIL runs one at a time (17 us on the CI machine's CPU)
@@ -118,12 +138,12 @@ def costs() -> Costs:
             given_rates.setdefault("host_fast", None)
         rates[name] = replace(start, **given_rates)
     scalars = {k: v for k, v in given.items() if k != "rates"}
-    known = {"gpu_call", "host_call", "host_chunk", "h2d", "threads", "split_gain"}
+    known = {"gpu_call", "host_call", "host_chunk", "h2d", "d2h", "threads", "split_gain"}
     unknown = set(scalars) - known
     if unknown:
         raise ValueError(
             f"xarray_gds.route_constants has unknown fields {sorted(unknown)}; "
-            "known: gpu_call, host_call, host_chunk, h2d, threads, split_gain, rates"
+            "known: gpu_call, host_call, host_chunk, h2d, d2h, threads, split_gain, rates"
         )
     return replace(base, rates=tuple(rates.items()), **scalars)
 
@@ -190,6 +210,52 @@ def choose(compressor: Format | None, n_chunks: int, chunk_nbytes: int) -> str:
     if _split_mode() == "on" and n_chunks >= 2:
         return "gpu"  # read onto the device, where its chunks are shared (plan)
     gpu, host = estimate(compressor, n_chunks, chunk_nbytes)
+    return "host" if host < gpu else "gpu"
+
+
+def estimate_encode(
+    compressor: Format | None,
+    n_chunks: int,
+    chunk_nbytes: int,
+    constants: Costs | None = None,
+) -> tuple[float, float]:
+    """Seconds ``(gpu, host)`` to encode ``n_chunks`` chunks of ``chunk_nbytes`` bytes
+    held in device memory with ``compressor``: one nvCOMP call, or one copy to the host
+    and the host threads a chunk each (``inf`` for the host where a rate is unknown)."""
+    c = costs() if constants is None else constants
+    rate = c.rate(compressor) if compressor else None
+    known = rate is not None and None not in (
+        rate.encode_gpu_chunk,
+        rate.encode_gpu_batch,
+        rate.encode_host_thread,
+    )
+    if not known or n_chunks <= 0:
+        return 0.0, math.inf
+    assert rate is not None
+    assert rate.encode_gpu_chunk and rate.encode_gpu_batch and rate.encode_host_thread
+    from xarray_gds.batch import pool_threads
+
+    threads = c.threads or pool_threads()
+    total = n_chunks * chunk_nbytes
+    gpu = c.gpu_call + chunk_nbytes / rate.encode_gpu_chunk + total / rate.encode_gpu_batch
+    rounds = -(-n_chunks // max(1, threads))
+    host = c.host_call + total / c.d2h + rounds * chunk_nbytes / rate.encode_host_thread
+    return gpu, host
+
+
+def choose_encode(compressor: Format | None, n_chunks: int, chunk_nbytes: int) -> str:
+    """``"gpu"`` or ``"host"``: where a batch of ``n_chunks`` chunks of device values
+    encodes. nvCOMP encodes each chunk of a batch on a small part of the GPU, so a batch
+    of few chunks takes about as long as its slowest chunk alone (on an H100, 8 ms for
+    one 1 MiB zstd chunk), where the host threads encode a few chunks side by side.
+    Uncompressed chunks and compressors without encode rates take the GPU;
+    ``xarray_gds.route`` set to ``"gpu"`` or ``"host"`` forces one."""
+    forced = _forced()
+    if forced != "auto":
+        return forced
+    if compressor is None:
+        return "gpu"
+    gpu, host = estimate_encode(compressor, n_chunks, chunk_nbytes)
     return "host" if host < gpu else "gpu"
 
 

@@ -87,7 +87,11 @@ def _cupy() -> Any:
     cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, get_current_stream=lambda: stream)
     names = ("ascontiguousarray", "cumsum", "uint8", "zeros", "concatenate")
     return types.SimpleNamespace(
-        **{k: getattr(np, k) for k in names}, empty=empty, asarray=asarray, cuda=cuda
+        **{k: getattr(np, k) for k in names},
+        empty=empty,
+        asarray=asarray,
+        asnumpy=lambda a: np.array(a, copy=True).view(np.ndarray),
+        cuda=cuda,
     )
 
 

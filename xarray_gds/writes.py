@@ -22,7 +22,7 @@ from zarr.core.buffer import cpu
 from zarr.core.chunk_utils import fill_value_or_default
 from zarr.core.common import concurrent_map
 
-from xarray_gds import decode, stores
+from xarray_gds import decode, route, stores
 from xarray_gds import device as _device
 from xarray_gds.batch import offloaded, parallel
 from xarray_gds.codecs.encode import (
@@ -30,6 +30,7 @@ from xarray_gds.codecs.encode import (
     ShardEncode,
     empty_rows,
     encode_host,
+    encode_host_threads,
     encode_shards,
 )
 from xarray_gds.entries import split
@@ -123,6 +124,13 @@ def _encode_part(
         return pieces
     chunks = stage if kept.size == len(part) else stage[xp.asarray(kept)]
     encoder = _encoder(on_device)
+    on_gpu = on_device
+    if on_device and isinstance(plan, EncodeChain):
+        # a batch of few chunks encodes faster on the host threads (route.choose_encode)
+        on_gpu = route.choose_encode(plan.compressor, int(kept.size), plan.nbytes) == "gpu"
+        if not on_gpu:
+            chunks = _device.cupy().asnumpy(chunks)  # one copy of the batch to the host
+            encoder = encode_host_threads
     try:
         if isinstance(plan, ShardEncode):
             fill = fill_value_or_default(part[0][1])
@@ -132,7 +140,7 @@ def _encode_part(
             done = [encoded.chunk(k) for k in range(kept.size)]
     except (RuntimeError, ValueError) as err:
         first, last = part[int(kept[0])][0].path, part[int(kept[-1])][0].path
-        where = "GPU (nvCOMP)" if on_device else "host"
+        where = "GPU (nvCOMP)" if on_gpu else "host"
         raise RuntimeError(
             f"xarray-gds: encoding {kept.size} chunks ({first} .. {last}) with "
             f"[{', '.join(plan.codecs)}] on the {where} failed: {err}"

@@ -372,6 +372,32 @@ def pack(
     return Encoded(out, starts, sizes)
 
 
+class _Rows:
+    """Chunks encoded one by one (:func:`encode_host_threads`), read as an
+    :class:`Encoded`'s chunks."""
+
+    def __init__(self, rows: list[Encoded]) -> None:
+        self.rows = rows
+
+    def chunk(self, i: int) -> np.ndarray:
+        return self.rows[i].chunk(0)
+
+
+def encode_host_threads(chain: EncodeChain, chunks: np.ndarray) -> Any:
+    """:func:`encode_host` of each chunk of ``(n, *chunk_shape)`` on the host pool's
+    threads (the codecs release the GIL): the host route of device values (see
+    :func:`xarray_gds.route.choose_encode`). Chunk ``i``'s bytes are ``.chunk(i)``."""
+    from xarray_gds.batch import parallel
+
+    rows: list[Any] = [None] * len(chunks)
+
+    def one(i: int) -> None:
+        rows[i] = encode_host(chain, chunks[i : i + 1])
+
+    parallel(one, len(chunks), min_items=2)
+    return _Rows(rows)
+
+
 def encode_host(chain: EncodeChain, chunks: np.ndarray) -> Encoded:
     """Encode chunk arrays ``(n, *chunk_shape)`` on the host, as the device does."""
     data = layout(chain, chunks, np)

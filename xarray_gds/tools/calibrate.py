@@ -2,9 +2,10 @@
 
 ``xarray-gds calibrate`` times, on the machine at hand, nvCOMP batches of 1 and of
 many chunks and one host thread's decode of a chunk, for each compressor (with
-numcodecs, and with the format's faster decoder where one is installed), a chunk's
-Python work on the host, plus the copy of decoded bytes from pinned memory to the
-device, and prints the constants as the JSON value of ``xarray_gds.route_constants``
+numcodecs, and with the format's faster decoder where one is installed), the same for
+encoding (nvCOMP's encoder against the numcodecs codec), a chunk's Python work on the
+host, plus the copies of chunks from pinned memory to the device and from the device
+to the host, and prints the constants as the JSON value of ``xarray_gds.route_constants``
 (``XARRAY_GDS_ROUTE_CONSTANTS``).
 
 ``xarray-gds calibrate --compare`` (:func:`compare`) checks the model: for batches of
@@ -82,6 +83,7 @@ def _measure(name: str, codec: Any, chunk_nbytes: int, many: int, small: int) ->
     )
     tiny = nvcomp.pack([cp.asarray(np.frombuffer(codec.encode(_chunk(small, 0)), np.uint8))])
     t0 = _best(lambda: nvcomp.decode(tiny_chain, tiny, [0], keys[:1]))
+    enc = _encode_rates(codec, chunk_nbytes, many, t0)
     gpu_batch = (many - 1) * chunk_nbytes / max(tn - t1, 1e-9)
     gpu_chunk = chunk_nbytes / max(t1 - t0 - chunk_nbytes / gpu_batch, 1e-9)
     host = min(_timed(lambda: codec.decode(encoded[0])) for _ in range(5))
@@ -90,7 +92,38 @@ def _measure(name: str, codec: Any, chunk_nbytes: int, many: int, small: int) ->
     if fast is not None:
         seconds = min(_timed(lambda: fast(encoded[0], chunk_nbytes)) for _ in range(5))
         host_fast = chunk_nbytes / seconds
-    return Rates(gpu_chunk, gpu_batch, chunk_nbytes / host, host_fast), t0
+    return replace(Rates(gpu_chunk, gpu_batch, chunk_nbytes / host, host_fast), **enc), t0
+
+
+def _encode_rates(codec: Any, chunk_nbytes: int, many: int, call: float) -> dict[str, float]:
+    """The encode rates of one compressor (:func:`xarray_gds.route.choose_encode`):
+    nvCOMP's batch of one and of ``many`` chunks of device values, one host thread's
+    encode of a chunk (``call``: seconds of a tiny nvCOMP call). Empty where nvCOMP has
+    no encoder for it."""
+    import zarr
+
+    from xarray_gds.codecs import nvcomp
+    from xarray_gds.codecs.encode import EncodeChain, encode_host, plan_encode
+
+    cp = _device.cupy()
+    n = chunk_nbytes // 4
+    meta = zarr.create_array(
+        store={}, shape=(many, n), chunks=(1, n), dtype="f4", compressors=[codec], zarr_format=2
+    ).metadata
+    plan = plan_encode(meta, "gpu")
+    if not isinstance(plan, EncodeChain):
+        return {}
+    host = np.stack([_chunk(chunk_nbytes, i % 8) for i in range(many)])[:, None, :]
+    device = cp.asarray(host)
+    t1 = _best(lambda: nvcomp.encode(plan, device[:1]))
+    tn = _best(lambda: nvcomp.encode(plan, device), 3)
+    batch = (many - 1) * chunk_nbytes / max(tn - t1, 1e-9)
+    one = min(_timed(lambda: encode_host(plan, host[:1])) for _ in range(5))
+    return {
+        "encode_gpu_chunk": chunk_nbytes / max(t1 - call - chunk_nbytes / batch, 1e-9),
+        "encode_gpu_batch": batch,
+        "encode_host_thread": chunk_nbytes / one,
+    }
 
 
 def host_chunk_seconds(n: int = 4000) -> float:
@@ -118,9 +151,12 @@ def calibrate(chunk_nbytes: int = 4 << 20, many: int = 256, small: int = 4 << 10
     # the host route copies from pinned staging buffers (decode.decode_staged)
     with PinnedStaging().lease(64 << 20) as pinned:
         h2d = pinned.nbytes / _best(lambda: cp.asarray(pinned))
+    values = cp.zeros(64 << 20, dtype=cp.uint8)  # the host route of writes copies to pageable
+    d2h = values.nbytes / _best(lambda: cp.asnumpy(values))
     return Costs(
         gpu_call=float(np.median(calls)),
         h2d=h2d,
+        d2h=d2h,
         host_chunk=host_chunk_seconds(),
         rates=tuple(rates),
     )

@@ -36,7 +36,8 @@ PEEK = 18  #: bytes of each chunk that header checks read (the longest zstd fram
 
 @dataclass(frozen=True)
 class Rates:
-    """Decode rates of one compressor, in decoded bytes a second (see :mod:`xarray_gds.route`)."""
+    """Decode (and encode) rates of one compressor, in decoded bytes a second (see
+    :mod:`xarray_gds.route`)."""
 
     gpu_chunk: float  #: one chunk alone on the GPU
     gpu_batch: float  #: a large batch on the GPU
@@ -44,6 +45,11 @@ class Rates:
     #: one host thread with the format's fast decoder (:meth:`Format.fast_decoder`),
     #: where it has one; the route takes it only where that decoder is installed
     host_fast: float | None = None
+    #: encoding: one chunk alone by nvCOMP, a large nvCOMP batch, one host thread (the
+    #: numcodecs codec); where any is unknown, device values always encode on the GPU
+    encode_gpu_chunk: float | None = None
+    encode_gpu_batch: float | None = None
+    encode_host_thread: float | None = None
 
 
 @dataclass(frozen=True)
