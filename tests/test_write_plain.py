@@ -203,7 +203,7 @@ def test_device_values_stay_wrapped_through_numpy_calls() -> None:
     assert isinstance(np.round(packed), DeviceValues)
     assert np.result_type(values, np.int16(1)) == np.dtype("f4")
     assert (values.shape, values.dtype, values.ndim, values.size) == ((2, 2), np.dtype("f4"), 2, 4)
-    assert values.nbytes == 16
+    assert values.nbytes == 16 and values.itemsize == 4
     assert isinstance(values[0], DeviceValues) and not isinstance(values[0, 0], DeviceValues)
     assert values[0, 0] == np.float32(1.5)
     assert isinstance(np.isnan(values), DeviceValues)
@@ -310,3 +310,20 @@ def test_device_writes_need_no_dask_on_the_gpu(tmp_path: Path, v3_store: Path) -
     _modes(_xarray_write, ref, tmp_path / "xarray")
     for source in ("lazy", "loaded"):
         _assert_same_stores(tmp_path / source, tmp_path / "xarray", same_bytes=False)
+
+
+def test_unsigned_values_encode_as_device_values() -> None:
+    """xarray's CF encoding of a variable stored as signed bytes with ``_Unsigned`` (it
+    asks the values for their ``itemsize``): the same as of the same values on the host,
+    still wrapped."""
+    from xarray.conventions import encode_cf_variable
+
+    raw = np.array([[0, 7, 255], [128, 254, 3]], dtype="u1")
+    encoding = {"_Unsigned": "true", "_FillValue": np.int8(-1), "dtype": np.dtype("i1")}
+    host = xr.Variable(("y", "x"), raw.astype("f4"), encoding=encoding)
+    want = encode_cf_variable(host, name="qc")
+    got = encode_cf_variable(host.copy(data=DeviceValues(raw.astype("f4"))), name="qc")
+    assert isinstance(got._data, DeviceValues)
+    assert got.dtype == want.dtype == np.dtype("i1")
+    np.testing.assert_array_equal(got._data.values, want.values)
+    assert got.attrs == want.attrs

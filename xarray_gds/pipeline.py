@@ -211,6 +211,10 @@ class DeviceValues(NDArrayOperatorsMixin):
     def nbytes(self) -> int:
         return int(self.values.nbytes)
 
+    @property
+    def itemsize(self) -> int:
+        return int(self.values.itemsize)
+
     def __len__(self) -> int:
         return len(self.values)
 
