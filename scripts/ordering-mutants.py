@@ -215,6 +215,16 @@ ORDERINGS: tuple[Ordering, ...] = (
         "a prefetched batch is whole before the thread hands it to a consumer on another stream",
         _wave("gpu-kvikio"),
     ),
+    Ordering(
+        "handover-sync",
+        "coalesce.py",
+        "_device.cupy().cuda.get_current_stream().synchronize()",
+        0,
+        "device values an engine thread made on its current stream are whole before they "
+        "go to another thread (the one that asked, the caller on a stream of its own)",
+        ("tests/test_orderings.py::test_ordering[handover-sync]",),
+        device=False,
+    ),
 )
 
 

@@ -1146,6 +1146,25 @@ def prefetch_sync(env: Env, tmp_path: Path) -> None:
         _synced_between(log, stream, wrote, put)
 
 
+def handover_sync(env: Env, tmp_path: Path) -> None:
+    """A device read through the read engine: the thread that decoded the chunks (its
+    nvCOMP lane waited for that thread's current stream) synchronizes its current
+    stream after the decode and before the values reach whoever asked, whose stream
+    need not wait for it (another thread's default stream, a caller's own stream)."""
+    path = _store(tmp_path / "s.zarr")
+    want = _engine_zarr(path)
+    with zarr.config.set({"xarray_gds.route": "gpu"}):
+        got = np.asarray(_device_read(path)["v"].values)
+    back = env.log.add("mark", detail="values returned to the caller")
+    np.testing.assert_array_equal(got, want)
+    log = env.log
+    (lane,) = nvcomp._all_lanes
+    decoded = _only(log.find("decode", lane.stream))
+    lane_synced = [i for i in log.find("sync", lane.stream) if i > decoded][0]
+    waited = log.entries[_only(log.find("wait", lane.stream))].detail
+    _synced_between(log, waited.stream, lane_synced, back)
+
+
 #: the test of each ordering of ORDERINGS, by its name
 CASES: dict[str, Callable[..., None]] = {
     "staged-copy-waits": staged_copy_waits,
@@ -1166,6 +1185,7 @@ CASES: dict[str, Callable[..., None]] = {
     "crc-lane-waits": crc_lane_waits,
     "crc-final-sync": crc_final_sync,
     "prefetch-sync": prefetch_sync,
+    "handover-sync": handover_sync,
 }
 
 

@@ -143,6 +143,7 @@ class ReadEngine:
         config.validate()
         if len(parts) == 1:
             consume(0, self.fetch_decode(parts[0]))
+            _hand_over(parts[0].on_device)
             return
         requests = [_located(r) for r in parts]
         series = object()
@@ -199,6 +200,7 @@ class ReadEngine:
                 raise
         for server in servers:
             server.result()
+        _hand_over(any(r.on_device for r in parts))
 
     def _withdraw(self, requests: list[_Asked]) -> None:
         """Interrupted: nobody is to read the requests not taken yet any more (a part
@@ -459,15 +461,31 @@ def _decode(
 ) -> tuple[list[int], Any]:
     """Decode fetched chunks as ``r``'s group does: on the GPU (the host pool taking a
     share where :func:`route.plan` gives it one), on the host, or on the host for the
-    device (staged through pinned memory, copied as they decode)."""
+    device (staged through pinned memory, copied as they decode). Device chunks are
+    whole when this returns (:func:`_hand_over`): they go to the threads that asked."""
     if r.host_decode:
-        return decode.decode_staged(chain, fetched, keys, staging)
-    if r.decode_on_device and chain.compressor is not None:
+        decoded = decode.decode_staged(chain, fetched, keys, staging)
+    elif r.decode_on_device and chain.compressor is not None:
         n = int(np.count_nonzero(fetched.sizes >= 0))
         share = route.plan(chain.compressor.format, n, chain.nbytes)
         if share.host:
-            return decode.decode_split(chain, fetched, keys, staging, share.host, share.threads)
-    return decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
+            decoded = decode.decode_split(chain, fetched, keys, staging, share.host, share.threads)
+        else:
+            decoded = decode.decode_fetched(chain, fetched, keys, True)
+    else:
+        decoded = decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
+    _hand_over(r.request.on_device)
+    return decoded
+
+
+def _hand_over(on_device: bool) -> None:
+    """Before device values made on this thread's current stream go to another thread:
+    wait for that stream. The thread that takes them computes on a stream of its own
+    (the default stream of another thread, or a caller's ``cupy.cuda.Stream``), which
+    does not wait for this one: without the wait it reads them half made (the filters
+    of a decode, a Blosc unshuffle, the chunks placed in the output still queued)."""
+    if on_device:
+        _device.cupy().cuda.get_current_stream().synchronize()
 
 
 def _read(group: list[_Asked]) -> Any:
