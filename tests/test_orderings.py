@@ -1160,7 +1160,7 @@ def handover_sync(env: Env, tmp_path: Path) -> None:
     log = env.log
     (lane,) = nvcomp._all_lanes
     decoded = _only(log.find("decode", lane.stream))
-    lane_synced = [i for i in log.find("sync", lane.stream) if i > decoded][0]
+    lane_synced = next(i for i in log.find("sync", lane.stream) if i > decoded)
     waited = log.entries[_only(log.find("wait", lane.stream))].detail
     _synced_between(log, waited.stream, lane_synced, back)
 
