@@ -1165,6 +1165,36 @@ def handover_sync(env: Env, tmp_path: Path) -> None:
     _synced_between(log, waited.stream, lane_synced, back)
 
 
+@pytest.mark.parametrize("n_parts", [1, 2])
+def test_the_part_consumer_hands_over_whole_values(env: Env, tmp_path: Path, n_parts: int) -> None:
+    """handover-sync where a read in parts is consumed: the thread that placed each
+    part's chunks on its current stream synchronizes it after the last one and before
+    fetch_decode_parts returns (the values then go to the thread that asked)."""
+    from tests.test_host_logic import GdsStore
+    from xarray_gds.request import ReadRequest
+
+    path = _store(tmp_path / "s.zarr")
+    chain, keys, _ = _all_chunks(path, "v")
+    store = GdsStore(path, read_only=True)
+    parts = [
+        ReadRequest(store, chain, [keys[i] for i in idx], True)
+        for idx in np.array_split(np.arange(len(keys)), n_parts)
+    ]
+    log = env.log
+    placed: list[int] = []
+
+    def consume(k: int, decoded: Any) -> None:
+        out = env.cupy.empty(4, dtype=np.uint8)
+        out.set(np.full(4, k, dtype=np.uint8))  # a placement on this thread's stream
+        placed.append(_only([i for i in log.find("copy", log.main) if i >= len(log.entries) - 1]))
+
+    with zarr.config.set({"xarray_gds.route": "gpu"}):
+        coalesce.fetch_decode_parts(parts, consume)
+    back = log.add("mark", detail="fetch_decode_parts returned")
+    assert len(placed) == n_parts
+    _synced_between(log, log.main, placed[-1], back)
+
+
 #: the test of each ordering of ORDERINGS, by its name
 CASES: dict[str, Callable[..., None]] = {
     "staged-copy-waits": staged_copy_waits,
