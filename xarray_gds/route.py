@@ -83,7 +83,8 @@ class Costs:
     gpu_call: float = 2.1e-3  #: seconds of one nvCOMP batch call (of one tiny chunk)
     host_call: float = 1.0e-4  #: seconds of one host batch, pool hand-off included
     h2d: float = 6.0e9  #: bytes a second of the copy of decoded chunks to the device
-    d2h: float = 6.0e9  #: bytes a second of the copy of chunks to encode to the host
+    #: bytes a second of the copy of chunks to encode to (pageable) host memory (H100)
+    d2h: float = 3.1e9
     threads: int = 0  #: host decode threads (0: the shared pool's size)
     #: seconds of a chunk's Python work on the host (header checks, the pool's hand-off),
     #: which the GIL runs one at a time (17 us on the CI machine's CPU)

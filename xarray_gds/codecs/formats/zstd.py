@@ -141,6 +141,14 @@ ZSTD = Zstd(
     name="zstd",
     nvcomp="Zstd",
     min_size=9,
-    rates=Rates(gpu_chunk=265e6, gpu_batch=80e9, host_thread=575e6),
+    # encode rates: `xarray-gds calibrate` on an H100 host, 4 MiB chunks (December 2026)
+    rates=Rates(
+        gpu_chunk=265e6,
+        gpu_batch=80e9,
+        host_thread=575e6,
+        encode_gpu_chunk=55.8e6,
+        encode_gpu_batch=13.9e9,
+        encode_host_thread=146e6,
+    ),
     walk=DeviceWalk(_WALK, "zstd_walk", _ERRORS),
 )
