@@ -4,10 +4,8 @@ decoded; and what the performance page says bounds each read case."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numcodecs
@@ -20,7 +18,8 @@ from xarray_gds import coalesce
 from xarray_gds.request import ReadRequest
 from xarray_gds.tools import bench, bench_bounds
 
-ROOT = Path(__file__).resolve().parent.parent
+from .test_docs import _plot_bench
+
 METADATA = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
 
 
@@ -148,14 +147,6 @@ def test_references_read_bound_reads_the_referenced_bytes(tmp_path: Path) -> Non
             _, offset, size = ref
             want[key] = blob[offset : offset + size]
     assert want and _fetched(requests) == want
-
-
-def _plot_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_page_names_what_bounds_each_read_case() -> None:
