@@ -891,3 +891,221 @@ def test_a_batch_of_two_store_kinds_reads_each_through_its_own_kind(
     else:
         got = stores.read(picked, locations, False, None)
     assert [np.asarray(g).tobytes() for g in got] == want
+
+
+# -- entries.py -----------------------------------------------------------------------------
+def _tile_entries(
+    cells: list[tuple[int, ...]], chunk: tuple[int, ...], complete: bool = True
+) -> list[Any]:
+    """zarr's batch entries of whole chunks at grid ``cells``: the first one's selection
+    starts at None and the others' alternate between step None and step 1, as zarr's
+    indexing makes them."""
+    entries = []
+    for k, cell in enumerate(cells):
+        out = tuple(
+            slice(None if k == 0 and i * c == 0 else i * c, (i + 1) * c, 1 if k % 2 else None)
+            for i, c in zip(cell, chunk, strict=True)
+        )
+        entries.append((None, None, (), out, complete))
+    return entries
+
+
+def test_whole_tiling_exactly_when_whole_chunks_tile_the_output() -> None:
+    """entries ``whole_tiling``, every condition and term: the tiling of whole chunks
+    that cover the output once each (its grid, the whole output as window and crop, the
+    chunks' order when not C order), and None for each batch that does not qualify;
+    chunks placed by the tiling give the array they were cut from."""
+    from xarray_gds import entries
+    from xarray_gds.place import place
+
+    chunk = (2, 3)
+    whole = np.arange(4 * 9).reshape(4, 9)
+    full = (slice(0, 4), slice(0, 9))
+
+    def tiled(cells: list[tuple[int, ...]], shape: tuple[int, ...] = (4, 9), **kw: Any) -> Any:
+        batch = kw.pop("batch", None) or _tile_entries(cells, kw.pop("chunk", chunk))
+        return entries.whole_tiling(
+            np.zeros(shape), kw.pop("chunk_shape", chunk), batch, kw.pop("drop", ())
+        )
+
+    c_order = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    tiling = tiled(c_order)
+    assert tiling is not None
+    assert (tiling.grid, tiling.window, tiling.crop, tiling.order) == ((2, 3), full, full, None)
+    assert all(type(g) is int for g in tiling.grid)
+    shuffled = [(1, 2), (0, 0), (1, 0), (0, 2), (0, 1), (1, 1)]
+    tiling = tiled(shuffled)
+    assert tiling is not None and (tiling.grid, tiling.window, tiling.crop) == ((2, 3), full, full)
+    assert tiling.order is not None and tiling.order.tolist() == [5, 0, 3, 2, 1, 4]
+    for cells, shape in (([(0, 0), (0, 1)], (2, 6)), ([(0, 0), (1, 0)], (4, 3))):
+        two = tiled(cells, shape)  # two chunks are enough
+        assert two is not None and two.order is None
+        assert two.grid == tuple(s // c for s, c in zip(shape, chunk, strict=True))
+    rotated = [(0, 2), (0, 0), (0, 1)]  # each step back or one forward: still not C order
+    assert tiled(rotated, (2, 9)).order.tolist() == [2, 0, 1]
+    many = [(r, c) for r in range(18) for c in range(18)]  # 324 chunks: more than 256
+    assert tiled(many, (18, 18), chunk=(1, 1), chunk_shape=(1, 1)).grid == (18, 18)
+    for cells, tiling in ((c_order, tiled(c_order)), (shuffled, tiled(shuffled))):
+        batch = _tile_entries(cells, chunk)
+        stack = np.stack([whole[e[3]] for e in batch])
+        target = np.zeros_like(whole)
+        n = len(batch)
+        place(
+            target,
+            stack,
+            list(range(n)),
+            n,
+            lambda k, b=batch: (b[k][3], ()),
+            0,
+            False,
+            tiling=tiling,
+        )
+        np.testing.assert_array_equal(target, whole)
+
+    # batches that do not qualify
+    assert tiled(c_order, drop=(0,)) is None  # an axis dropped
+    assert tiled([(0, 0)], (2, 3)) is None  # one chunk: nothing to tile
+    assert tiled([], batch=_tile_entries(c_order, chunk, complete=False)) is None
+    assert tiled(c_order, chunk_shape=(2, 3, 1)) is None  # chunks of other dimensions
+    assert tiled(c_order, chunk_shape=(2,)) is None
+    stepped = _tile_entries(c_order, chunk)
+    stepped[3] = (None, None, (), (slice(2, 6, 2), slice(0, 3)), True)
+    assert tiled([], batch=stepped) is None  # a strided selection
+    points = _tile_entries(c_order, chunk)
+    points[3] = (None, None, (), (np.array([2, 3]), slice(0, 3)), True)
+    assert tiled([], batch=points) is None  # a points selection
+    shifted = [
+        (None, None, (), (slice(r * 2 + 1, r * 2 + 3), slice(c * 3, c * 3 + 3)), True)
+        for r, c in c_order
+    ]
+    assert tiled([], (5, 9), batch=shifted) is None  # chunks off the grid
+    off = _tile_entries(c_order, chunk)
+    off[1] = (None, None, (), (slice(0, 2), slice(4, 7)), True)
+    assert tiled([], batch=off) is None  # one chunk off the grid
+    assert tiled([(0, 0), (0, 1), (1, 0)], (4, 6)) is None  # a gap in the grid
+    square = [(0, 0), (0, 1), (1, 0), (1, 1)]  # chunks of two dimensions, a shape of one
+    assert tiled(square, (2, 2), chunk=(1, 1), chunk_shape=(1,)) is None
+    assert tiled(c_order, (4, 10)) is None  # the grid smaller than the output
+    assert tiled(c_order, (4, 8)) is None
+    assert tiled([(0, 0), (0, 0), (1, 0), (1, 1)], (4, 6)) is None  # a chunk twice
+
+
+@pytest.mark.parametrize("shards", [None, (4, 6)], ids=["chunks", "shards"])
+def test_missing_chunks_are_errors_when_zarr_is_told_so(
+    tmp_path: Path, shards: tuple[int, int] | None
+) -> None:
+    """entries ``GetResult(status="present" if i in found else "missing")`` (its status
+    negated or dropped), and shards' the same: with zarr's ``array.read_missing_chunks``
+    off, a read that meets a missing chunk (or shard) fails as engine="zarr" fails, naming
+    the same chunk, and a read of chunks all present gives zarr's values."""
+    path = tmp_path / "gaps.zarr"
+    values = np.arange(8 * 12, dtype="f8").reshape(8, 12)
+    encoding: dict[str, Any] = {"chunks": (2, 3)}
+    if shards is not None:
+        encoding["shards"] = shards
+    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
+    gone = "v/c/1/1"  # a chunk, or the shard of rows 4-7, columns 6-11
+    (path / gone).unlink()
+    reads = {
+        "all": lambda v: v,
+        "points": lambda v: v.isel(r=[0, 2, 5, 7], c=[1, 4, 7, 10]),
+        "present": lambda v: v.isel(r=slice(0, 2)),
+        "present points": lambda v: v.isel(r=[0, 1], c=[1, 2, 4, 11]),
+    }
+    with zarr.config.set({"array.read_missing_chunks": False}):
+        for name, pick in reads.items():
+            ref = xr.open_dataset(path, engine="zarr").v
+            gds = xr.open_dataset(path, engine="gds-zarr", device="cpu").v
+            if name.startswith("present"):
+                xr.testing.assert_identical(pick(gds).load(), pick(ref).load())
+                continue
+            with pytest.raises(zarr.errors.ChunkNotFoundError) as want:
+                pick(ref).load()
+            with pytest.raises(zarr.errors.ChunkNotFoundError) as got:
+                pick(gds).load()
+            assert str(got.value) == str(want.value)
+            assert "'c/1/1'" in str(got.value)
+
+
+def test_a_device_batch_is_tiled_in_one_copy_only_when_every_chunk_is_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """entries ``on_device and present and len(present) == len(batch)`` (its comparison
+    changed, a ``len`` dropped) and ``target = out.as_ndarray_like()`` -> ``out``: with
+    numpy standing in for CuPy, a device batch of whole chunks all present (also one of
+    more than 256) is placed with one tiling, one with a chunk missing chunk by chunk
+    (the fill value where it is missing), a host batch never tiled; the output is the
+    chunks' array either way."""
+    import types
+
+    from zarr.core.buffer import cpu
+
+    from xarray_gds import device as _device
+    from xarray_gds import entries
+
+    monkeypatch.setattr(_device, "cupy", lambda: np)
+    tried: list[bool] = []
+    real = entries.whole_tiling
+
+    def spy(*args: Any) -> Any:
+        done = real(*args)
+        tried.append(done is not None)
+        return done
+
+    monkeypatch.setattr(entries, "whole_tiling", spy)
+    placed: list[bool] = []
+    real_place = entries.place
+
+    def place_spy(*args: Any, **kw: Any) -> Any:
+        placed.append(kw.get("tiling") is not None)
+        return real_place(*args, **kw)
+
+    monkeypatch.setattr(entries, "place", place_spy)
+    spec = types.SimpleNamespace(fill_value=-1.0)
+    for rows, cols in ((2, 3), (17, 16)):  # 6 chunks, 272
+        whole = np.arange(rows * 2 * cols * 3, dtype="f8").reshape(rows * 2, cols * 3)
+        cells = [(r, c) for r in range(rows) for c in range(cols)]
+        batch = [(None, spec, *e[2:]) for e in _tile_entries(cells, (2, 3))]
+        stack = np.stack([whole[e[3]] for e in batch])
+        for on_device, present, tiled in (
+            (True, list(range(len(batch))), [True]),
+            (True, list(range(1, len(batch))), []),
+            (False, list(range(len(batch))), []),
+        ):
+            tried.clear()
+            placed.clear()
+            out = cpu.NDBuffer.from_numpy_array(np.zeros_like(whole))
+            results = entries.scatter(batch, present, stack[present], out, (), on_device)
+            assert tried == tiled
+            assert placed == [bool(tiled)]  # the tiling found is the one placed with
+            want = whole.copy()
+            if len(present) < len(batch):
+                want[batch[0][3]] = -1.0
+            np.testing.assert_array_equal(out.as_numpy_array(), want)
+            assert [r["status"] for r in results] == [
+                "present" if k in present else "missing" for k in range(len(batch))
+            ]
+
+
+@pytest.mark.parametrize("shards", [None, (4, 6)], ids=["chunks", "shards"])
+def test_zarrs_selections_that_drop_an_axis(tmp_path: Path, shards: tuple[int, int] | None) -> None:
+    """entries ``drop_axes=drop_axes`` dropped from ``place_entries``' call: zarr's
+    orthogonal and coordinate selections through the engine's codec pipeline, an integer
+    among index arrays (the chunks' selections keep the axis that the output drops), read
+    as zarr-python reads them."""
+    from xarray_gds import GdsStore
+    from xarray_gds.pipeline import attach
+
+    path = tmp_path / "drop.zarr"
+    values = np.arange(8 * 12, dtype="f8").reshape(8, 12)
+    encoding: dict[str, Any] = {"chunks": (2, 3)}
+    if shards is not None:
+        encoding["shards"] = shards
+    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
+    ours = attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")["v"])
+    ref = zarr.open_group(path, mode="r")["v"]
+    for sel in (([0, 5, 6], 4), (3, [1, 7, 11]), (np.array([1, 6]), slice(2, 9))):
+        want = ref.get_orthogonal_selection(sel)
+        got = ours.get_orthogonal_selection(sel)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
