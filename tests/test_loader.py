@@ -458,6 +458,38 @@ def test_prefetch_is_bounded(
         assert not loader._prefetcher._thread.is_alive()
 
 
+def test_the_prefetch_thread_is_named_and_never_keeps_a_process_alive(store: Path) -> None:
+    """The prefetch thread shows in thread listings (py-spy, faulthandler) by its name
+    while it reads ahead, and a program that stops using a loader mid-iteration
+    without closing it still exits: the thread is a daemon, blocked on a slot."""
+    import subprocess
+    import sys
+
+    loader = BatchLoader(_gds(store), batch_size=2, prefetch=2)
+    it = iter(loader)
+    next(it)
+    assert [t for t in threading.enumerate() if t.name == "xarray-gds-prefetch"] == [
+        loader._prefetcher._thread
+    ]
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name == "xarray-gds-prefetch"]
+    program = (
+        "import sys, xarray as xr\n"
+        "from xarray_gds import BatchLoader\n"
+        "ds = xr.open_dataset(sys.argv[1], engine='gds-zarr', device='cpu', consolidated=False)\n"
+        "loader = BatchLoader(ds, batch_size=2, prefetch=2)\n"
+        "it = iter(loader)\n"
+        "next(it)\n"
+        "assert loader._prefetcher.wait_blocked(3, timeout=30)  # two batches ahead\n"
+        "print('left the loader', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(store)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "left the loader\n"
+
+
 def test_breaking_out_stops_the_thread(store: Path) -> None:
     loader = BatchLoader(_gds(store), batch_size=2, prefetch=2)
     it = iter(loader)
