@@ -75,14 +75,18 @@ def test_read_only_reads_every_chunk_of_the_data_variables(
     assert all(r.chain.nbytes == 3 * 5 * 4 for r in requests)
 
 
-def test_read_only_parts_are_the_engines(tmp_path: Path) -> None:
-    """A variable larger than a batch is read in the parts the engine reads it in."""
+@pytest.mark.parametrize(
+    ("per_part", "sizes"), [(3, [3, 3, 2]), (1, [1] * 8), (7, [7, 1]), (8, [8])]
+)
+def test_read_only_parts_are_the_engines(tmp_path: Path, per_part: int, sizes: list[int]) -> None:
+    """A variable larger than a batch is read in the parts the engine reads it in, the
+    last chunk too (a part of one chunk at the end)."""
     store = _two_variables(tmp_path / "s.zarr", 3, zarr.codecs.ZstdCodec())
-    with zarr.config.set({"xarray_gds.batch_bytes": 3 * 60}):
+    with zarr.config.set({"xarray_gds.batch_bytes": per_part * 60}):
         requests = bench_bounds.chunk_requests(store, on_device=False)
     assert requests is not None
-    assert [len(r.keys) for r in requests] == [3, 3, 2, 3, 3, 2]
-    assert [r.keys[0].split("/")[0] for r in requests] == ["a"] * 3 + ["b"] * 3
+    assert [len(r.keys) for r in requests] == sizes * 2
+    assert [r.keys[0].split("/")[0] for r in requests] == ["a"] * len(sizes) + ["b"] * len(sizes)
     assert _fetched(requests) == _chunk_files(store, ["a", "b"])
 
 

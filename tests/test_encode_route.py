@@ -205,3 +205,27 @@ def test_device_writes_take_the_chosen_route(
     for j, piece in enumerate(pieces):
         got = np.frombuffer(codec.decode(bytes(piece)), "f4").reshape(8, 16)
         np.testing.assert_array_equal(got, values[j * 8 : (j + 1) * 8])
+
+
+@pytest.mark.parametrize(("n", "where"), [(3, "host"), (12, "GPU (nvCOMP)")])
+def test_a_failed_encode_names_the_route_it_took(
+    monkeypatch: pytest.MonkeyPatch, n: int, where: str
+) -> None:
+    """The error of a failed encode of device values says where the chunks were
+    encoded: the host threads for a small write, nVCOMP for a large one."""
+    plan = _plan(zc.ZstdCodec(), 3)
+    values = _values(n, (8, 16)).reshape(n * 8, 16)
+
+    def fails(chain: Any, chunks: Any) -> Any:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(nvcomp, "encode", fails)
+    monkeypatch.setattr(writes, "encode_host_threads", fails)
+    constants = zarr.config.set({"xarray_gds.route_constants": json.dumps(SMALL)})
+    with constants, device_standins(monkeypatch):
+        from xarray_gds import device as _device
+
+        stage = _device.cupy().empty((n, *plan.chunk_shape), dtype=plan.dtype)
+        with pytest.raises(RuntimeError, match=rf"chunks \(a/c/0/0 .. a/c/{n - 1}/0\)") as err:
+            writes._encode_part(plan, _entries(n, (8, 16)), stage, values, (), True)
+    assert f"on the {where} failed: boom" in str(err.value)
