@@ -458,6 +458,44 @@ def test_prefetch_is_bounded(
         assert not loader._prefetcher._thread.is_alive()
 
 
+def test_the_prefetcher_reports_where_it_waits_for_a_slot() -> None:
+    """Prefetcher.wait_blocked (what the bounds above are checked with) wakes as soon as
+    the thread waits for a slot, not at its timeout, and once the thread has ended it
+    waits for nothing; the batches come in the plan's order."""
+    import time
+    import types
+
+    from xarray_gds.loader import prefetch
+
+    waiting = threading.Event()
+
+    class Condition(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()  # the caller of wait_blocked waits: let the thread go on
+            return super().wait(timeout)
+
+    def read(samples: np.ndarray) -> int:
+        if len(samples) == 2:  # the second batch: the thread blocks right after it
+            assert waiting.wait(60)
+        return int(samples.sum())
+
+    names = ("Semaphore", "Event", "Thread")
+    fake = types.SimpleNamespace(Condition=Condition, **{n: getattr(threading, n) for n in names})
+    plan = [np.arange(k + 1) for k in range(5)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefetch, "threading", fake)
+        prefetcher = prefetch.Prefetcher(read, plan, 2, None)
+    try:
+        started = time.monotonic()
+        assert prefetcher.wait_blocked(2, timeout=120)  # two batches read, none taken
+        assert time.monotonic() - started < 60
+        assert [prefetcher.take() for _ in plan] == [0, 1, 3, 6, 10]
+    finally:
+        prefetcher.stop()
+    assert not prefetcher._thread.is_alive()
+    assert not any(prefetcher.wait_blocked(i, timeout=0) for i in range(len(plan)))
+
+
 def test_the_prefetch_thread_is_named_and_never_keeps_a_process_alive(store: Path) -> None:
     """The prefetch thread shows in thread listings (py-spy, faulthandler) by its name
     while it reads ahead, and a program that stops using a loader mid-iteration

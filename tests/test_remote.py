@@ -288,6 +288,63 @@ def test_listing_gives_the_sizes_of_whole_objects(s3, s3_store, monkeypatch):
     assert listings.list_sizes(nowhere, keys) is None
 
 
+def test_listing_bounds_as_documented(s3, s3_store, monkeypatch):
+    """docs/remote.md: a listing is made for 8 or more whole objects (not 7), asks for
+    1,000 objects a request, at most one page per 100 objects wanted; through s3fs and
+    through obstore alike."""
+    import obstore
+    from zarr.storage import FsspecStore
+
+    from xarray_gds.backend import open_store
+    from xarray_gds.stores import listings
+
+    fs = s3fs.S3FileSystem(**s3)
+    present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
+    assert len(present) >= 9
+    asked: list[tuple[str, int]] = []
+    real_call = s3fs.S3FileSystem._call_s3
+    real_list = obstore.list
+
+    async def call_s3(self, method, *args, **kwargs):
+        if method == "list_objects_v2":
+            asked.append(("s3fs", kwargs.get("MaxKeys")))
+        return await real_call(self, method, *args, **kwargs)
+
+    def listing(store, prefix=None, **kwargs):
+        asked.append(("obstore", kwargs.get("chunk_size")))
+        return real_list(store, prefix, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    monkeypatch.setattr(obstore, "list", listing)
+    for store in (
+        FsspecStore.from_url(s3_store, storage_options=s3, read_only=True),
+        open_store(s3_store, storage_options=s3),
+    ):
+        asked.clear()
+        assert listings.list_sizes(store, present[:7]) is None
+        assert asked == []
+        eight = listings.list_sizes(store, present[:8])
+        assert eight is not None and sorted(eight.sizes) == present[:8]
+        assert [n for _, n in asked] == [1000]
+        monkeypatch.setattr(listings, "LIST_PAGE", 2)  # 2 objects a page: 1 page of them
+        short = listings.list_sizes(store, present)
+        assert short is not None and sorted(short.sizes) == present[:2]
+        monkeypatch.setattr(listings, "LIST_PAGE", 1000)
+    # 101 objects wanted: two pages (here of 60 objects) before the listing stops
+    url = "s3://data/many.zarr"
+    many = xr.Dataset({"m": (("i",), np.arange(130.0))})
+    many.to_zarr(url, storage_options=s3, encoding={"m": {"chunks": (1,)}}, consolidated=False)
+    keys = sorted(k[len(url) - 5 + 1 :] for k in fs.find(f"{url[5:]}/m/c"))[:101]
+    monkeypatch.setattr(listings, "LIST_PAGE", 60)
+    for store in (
+        FsspecStore.from_url(url, storage_options=s3, read_only=True),
+        open_store(url, storage_options=s3),
+    ):
+        got = listings.list_sizes(store, keys)
+        assert got is not None and sorted(got.sizes) == keys[:101]
+        assert got.complete_to is not None
+
+
 def test_obstore_listing_gives_the_sizes_of_whole_objects(s3, s3_store):
     """The same listing through obstore (the store the engine opens an s3:// URL
     with): sizes as the server has them, absent keys known missing."""
