@@ -345,6 +345,35 @@ def test_listing_bounds_as_documented(s3, s3_store, monkeypatch):
         assert got.complete_to is not None
 
 
+def test_a_listing_knows_missing_keys_up_to_its_end_only(s3, s3_store, monkeypatch):
+    """Listing.missing: a key absent from a listing is known missing anywhere up to the
+    last key it covers (a complete listing covers every key wanted, an absent one between
+    present ones included), not after it; a store on a file system that is not S3 is not
+    listed, whatever names its protocol has."""
+    from zarr.storage import FsspecStore
+
+    from xarray_gds.stores import listings
+
+    fs = s3fs.S3FileSystem(**s3)
+    present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
+    between = present[0] + "0"  # sorts after the first key, before the second
+    keys = sorted([*present, between])
+    store = FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
+    listing = listings.list_sizes(store, keys)
+    assert listing is not None and listing.complete_to == keys[-1]
+    assert listing.missing(between) and listing.missing(keys[-1] + "0") is False
+    monkeypatch.setattr(listings, "LIST_PAGE", 3)  # one page: the first three keys
+    short = listings.list_sizes(store, keys)
+    assert short is not None and short.complete_to == present[2]
+    assert short.missing(between)
+    assert not any(short.missing(k) for k in keys if k > present[2])
+    import types
+
+    for protocol in (("gs",), ("gcs", "gs"), "file"):  # a file system of one name, of two
+        other = types.SimpleNamespace(fs=types.SimpleNamespace(protocol=protocol), path="b/x")
+        assert listings.list_sizes(other, [f"v/c/{i}" for i in range(8)]) is None
+
+
 def test_obstore_listing_gives_the_sizes_of_whole_objects(s3, s3_store):
     """The same listing through obstore (the store the engine opens an s3:// URL
     with): sizes as the server has them, absent keys known missing."""
