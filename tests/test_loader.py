@@ -496,6 +496,80 @@ def test_the_prefetcher_reports_where_it_waits_for_a_slot() -> None:
     assert not any(prefetcher.wait_blocked(i, timeout=0) for i in range(len(plan)))
 
 
+def test_the_prefetcher_reads_nothing_after_a_failed_batch() -> None:
+    """A batch whose read fails is the last one the thread reads: its error is raised
+    where the caller takes it, and no later batch of the plan is read, slots free or
+    not."""
+    from xarray_gds.loader.prefetch import Prefetcher
+
+    reads: list[int] = []
+
+    def read(samples: np.ndarray) -> int:
+        reads.append(len(samples))
+        if len(samples) == 2:
+            raise OSError("chunk 't/c/1' unreadable")
+        return len(samples)
+
+    prefetcher = Prefetcher(read, [np.arange(k + 1) for k in range(5)], 5, None)
+    assert prefetcher.take() == 1
+    with pytest.raises(OSError, match="unreadable"):
+        prefetcher.take()
+    prefetcher._thread.join(60)
+    assert not prefetcher._thread.is_alive()
+    assert reads == [1, 2]
+    prefetcher.stop()
+
+
+def test_stopping_a_prefetcher_that_waits_for_a_slot() -> None:
+    """A prefetcher stopped while its thread waits for a slot (the caller broke out of
+    its loop with batches read ahead) ends at once, reading no further batch; a plan of
+    more than 256 batches is followed to its end (wait_blocked finds batch 299)."""
+    from xarray_gds.loader.prefetch import Prefetcher
+
+    reads: list[int] = []
+
+    def read(samples: np.ndarray) -> int:
+        reads.append(len(samples))
+        return len(samples)
+
+    prefetcher = Prefetcher(read, [np.arange(k + 1) for k in range(5)], 2, None)
+    assert prefetcher.wait_blocked(2, timeout=60)
+    stopper = threading.Thread(target=prefetcher.stop, daemon=True)
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive(), "stop() did not return"
+    assert not prefetcher._thread.is_alive()
+    assert reads == [1, 2]
+    long = Prefetcher(read, [np.arange(1)] * 300, 299, None)
+    try:
+        assert long.wait_blocked(299, timeout=60)
+    finally:
+        long.stop()
+
+
+def test_the_prefetch_thread_reads_on_the_callers_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """current_gpu: a loader with a variable on the device reads its batches on the GPU
+    current in the calling thread (a fake CuPy says GPU 1), one of host variables only
+    names none."""
+    import types
+
+    from xarray_gds import device as _device
+    from xarray_gds.loader.prefetch import current_gpu
+    from xarray_gds.loader.variables import Var
+
+    runtime = types.SimpleNamespace(getDevice=lambda: 1)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(_device, "cupy", lambda: fake)
+
+    def var(device: str) -> Var:
+        return Var("v", (), (), np.dtype("f4"), device)  # type: ignore[arg-type]
+
+    assert current_gpu([var("cpu"), var("cuda")]) == 1
+    assert current_gpu([var("cuda")]) == 1
+    assert current_gpu([var("cpu")]) is None
+    assert current_gpu([]) is None
+
+
 def test_the_prefetch_thread_is_named_and_never_keeps_a_process_alive(store: Path) -> None:
     """The prefetch thread shows in thread listings (py-spy, faulthandler) by its name
     while it reads ahead, and a program that stops using a loader mid-iteration

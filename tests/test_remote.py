@@ -343,6 +343,9 @@ def test_listing_bounds_as_documented(s3, s3_store, monkeypatch):
         got = listings.list_sizes(store, keys)
         assert got is not None and sorted(got.sizes) == keys[:101]
         assert got.complete_to is not None
+        prefixed = ["m/c/1", *(f"m/c/1{i}" for i in range(10))]  # the first starts the last
+        some = listings.list_sizes(store, prefixed)
+        assert some is not None and sorted(some.sizes) == prefixed
 
 
 def test_a_listing_knows_missing_keys_up_to_its_end_only(s3, s3_store, monkeypatch):
