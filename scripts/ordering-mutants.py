@@ -217,7 +217,7 @@ ORDERINGS: tuple[Ordering, ...] = (
     ),
     Ordering(
         "handover-sync",
-        "coalesce.py",
+        "decode.py",
         "_device.cupy().cuda.get_current_stream().synchronize()",
         0,
         "device values an engine thread made on its current stream are whole before they "

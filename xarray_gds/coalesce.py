@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +143,7 @@ class ReadEngine:
         config.validate()
         if len(parts) == 1:
             consume(0, self.fetch_decode(parts[0]))
-            _hand_over(parts[0].on_device)
+            decode.hand_over(parts[0].on_device)
             return
         requests = [_located(r) for r in parts]
         series = object()
@@ -200,7 +200,7 @@ class ReadEngine:
                 raise
         for server in servers:
             server.result()
-        _hand_over(any(r.on_device for r in parts))
+        decode.hand_over(any(r.on_device for r in parts))
 
     def _withdraw(self, requests: list[_Asked]) -> None:
         """Interrupted: nobody is to read the requests not taken yet any more (a part
@@ -360,11 +360,8 @@ def fetch_decode_parts(parts: list[ReadRequest], consume: Callable[[int, Decoded
 
 
 def read_only(request: ReadRequest) -> Any:
-    """The chunks of ``request`` read as the engine reads a group of it alone (its
-    store's source, one batch, into device memory for a device request), nothing
-    decoded: the ``read-only`` bound of ``xarray-gds bench``. Returns the fetched
-    batch (a :class:`~xarray_gds.batch.DeviceBatch` or host batch); a chunk that does
-    not exist has a negative size in it (``None`` on the host)."""
+    """The batch of ``request``'s chunks read as the engine reads them, nothing decoded
+    (the ``read-only`` bound of ``xarray-gds bench``; a missing chunk: size -1, None)."""
     return _read([_located(request)])
 
 
@@ -456,36 +453,10 @@ def _host_route(group: list[_Asked]) -> bool:
     )
 
 
-def _decode(
-    r: _Asked, chain: DecodeChain, fetched: Any, keys: Sequence[str], staging: PinnedStaging
-) -> tuple[list[int], Any]:
-    """Decode fetched chunks as ``r``'s group does: on the GPU (the host pool taking a
-    share where :func:`route.plan` gives it one), on the host, or on the host for the
-    device (staged through pinned memory, copied as they decode). Device chunks are
-    whole when this returns (:func:`_hand_over`): they go to the threads that asked."""
-    if r.host_decode:
-        decoded = decode.decode_staged(chain, fetched, keys, staging)
-    elif r.decode_on_device and chain.compressor is not None:
-        n = int(np.count_nonzero(fetched.sizes >= 0))
-        share = route.plan(chain.compressor.format, n, chain.nbytes)
-        if share.host:
-            decoded = decode.decode_split(chain, fetched, keys, staging, share.host, share.threads)
-        else:
-            decoded = decode.decode_fetched(chain, fetched, keys, True)
-    else:
-        decoded = decode.decode_fetched(chain, fetched, keys, r.decode_on_device)
-    _hand_over(r.request.on_device)
-    return decoded
-
-
-def _hand_over(on_device: bool) -> None:
-    """Before device values made on this thread's current stream go to another thread:
-    wait for that stream. The thread that takes them computes on a stream of its own
-    (the default stream of another thread, or a caller's ``cupy.cuda.Stream``), which
-    does not wait for this one: without the wait it reads them half made (the filters
-    of a decode, a Blosc unshuffle, the chunks placed in the output still queued)."""
-    if on_device:
-        _device.cupy().cuda.get_current_stream().synchronize()
+def _decode(r: _Asked, chain: DecodeChain, fetched: Any, keys: Any, staging: Any) -> Any:
+    """Decode fetched chunks as ``r``'s group does (:func:`decode.decode_routed`)."""
+    host, on_device = r.host_decode, r.request.on_device
+    return decode.decode_routed(chain, fetched, keys, staging, host=host, on_device=on_device)
 
 
 def _read(group: list[_Asked]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from xarray_gds import config
+from xarray_gds import config, route
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch, PinnedStaging, start
 from xarray_gds.codecs import DecodeChain, host
@@ -25,6 +25,8 @@ __all__ = [
     "budget",
     "decode_fetched",
     "decode_host",
+    "decode_routed",
+    "hand_over",
     "Joined",
     "Picked",
     "decode_split",
@@ -77,6 +79,45 @@ def part_chunks(n_chunks: int, chunk_nbytes: int, on_device: bool) -> int:
     total = n_chunks * chunk_nbytes
     target = min(budget(on_device), max(MIN_PART_BYTES, -(-total // pipeline_parts())))
     return max(1, target // chunk_nbytes)
+
+
+def decode_routed(
+    chain: DecodeChain,
+    fetched: Any,
+    keys: Sequence[str],
+    staging: PinnedStaging,
+    *,
+    host: bool,
+    on_device: bool,
+) -> Decoded:
+    """Decode fetched chunks by their group's route: on the host for the device
+    (``host``: staged through pinned memory, copied as they decode), on the GPU (the
+    host pool taking a share where :func:`xarray_gds.route.plan` gives it one), or on
+    the host. Device values are whole when this returns (:func:`hand_over`): they go to
+    the threads that asked."""
+    if host:
+        decoded = decode_staged(chain, fetched, keys, staging)
+    elif on_device and chain.compressor is not None:
+        n = int(np.count_nonzero(fetched.sizes >= 0))
+        share = route.plan(chain.compressor.format, n, chain.nbytes)
+        if share.host:
+            decoded = decode_split(chain, fetched, keys, staging, share.host, share.threads)
+        else:
+            decoded = decode_fetched(chain, fetched, keys, True)
+    else:
+        decoded = decode_fetched(chain, fetched, keys, on_device)
+    hand_over(on_device)
+    return decoded
+
+
+def hand_over(on_device: bool) -> None:
+    """Before device values made on this thread's current stream go to another thread:
+    wait for that stream. The thread that takes them computes on a stream of its own
+    (the default stream of another thread, or a caller's ``cupy.cuda.Stream``), which
+    does not wait for this one: without the wait it reads them half made (the filters
+    of a decode, a Blosc unshuffle, the chunks placed in the output still queued)."""
+    if on_device:
+        _device.cupy().cuda.get_current_stream().synchronize()
 
 
 def decode_host(
