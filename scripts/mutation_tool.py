@@ -389,9 +389,14 @@ def _mutated(tree: Any, node: Any, op: Operator, index: int) -> str:
     the module again for each mutant)."""
     saved_leaves: list[tuple[Any, str, str]] = []
     saved_nodes: list[tuple[Any, list[Any]]] = []
+    #: every node's parent too: an operator may move a node under a new one (RemoveCall
+    #: puts the argument in the call's place), and a later mutant of another node that
+    #: climbs to the module (``get_root_node``) must find the module, not that node
+    saved_parents: list[tuple[Any, Any]] = []
     stack = [node]
     while stack:
         n = stack.pop()
+        saved_parents.append((n, n.parent))
         if hasattr(n, "children"):
             saved_nodes.append((n, list(n.children)))
             stack.extend(n.children)
@@ -413,6 +418,8 @@ def _mutated(tree: Any, node: Any, op: Operator, index: int) -> str:
             n.children = kids
         for leaf, value, prefix in saved_leaves:
             leaf.value, leaf.prefix = value, prefix
+        for n, up in saved_parents:
+            n.parent = up
 
 
 def _spans_lines(node: Any, lines: list[int]) -> bool:

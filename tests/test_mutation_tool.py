@@ -151,6 +151,70 @@ def test_remove_call() -> None:
     assert _made("RemoveCall", "z = -f(a + b)\n") == {"z = -(a + b)"}
 
 
+#: a function of the package whose mutants once broke the tree for the ones after them
+#: (a call removed left nodes under the node it made)
+TILING = textwrap.dedent(
+    '''\
+    import numpy as np
+    def whole_tiling(
+        target: Any, chunk_shape: tuple[int, ...], entries: list[Any], drop_axes: tuple[int, ...]
+    ) -> Tiling | None:
+        """How whole chunks that tile ``target`` exactly are placed with one reshape (one
+        kernel) instead of one copy a chunk; None when the batch does not qualify."""
+        if drop_axes or len(entries) < 2 or not all(e[4] for e in entries):
+            return None
+        if len(chunk_shape) != target.ndim:
+            return None
+        starts = []
+        for _, _, _, out_sel, _ in entries:
+            if not all(isinstance(s, slice) and s.step in (None, 1) for s in out_sel):
+                return None
+            starts.append([s.start or 0 for s in out_sel])
+        origin = np.asarray(starts, dtype=np.int64)
+        if np.any(origin % chunk_shape):
+            return None
+        cells = origin // chunk_shape
+        grid = tuple(int(g) for g in cells.max(axis=0) + 1)
+        if math.prod(grid) != len(entries) or tuple(
+            g * c for g, c in zip(grid, chunk_shape, strict=True)
+        ) != tuple(target.shape):
+            return None
+        order = np.ravel_multi_index(tuple(cells.T), grid)
+        if len(np.unique(order)) != len(entries):
+            return None
+        whole = tuple(slice(0, s) for s in target.shape)
+        return Tiling(grid, whole, whole, None if np.all(np.diff(order) == 1) else order)
+    '''
+)
+
+
+def test_every_mutant_leaves_the_tree_as_it_was() -> None:
+    """After each mutant of every operator, every node of the tree hangs from the module
+    again (a call removed moves its argument under another node while the mutant is
+    made: a later mutant that looks for the module from there found that node)."""
+    import parso
+    from cosmic_ray.ast import ast_nodes
+
+    tree = parso.parse(TILING)
+
+    def walk(n: Any) -> list[Any]:
+        return [n, *(c for k in getattr(n, "children", []) for c in walk(k))]
+
+    before = [(n, n.parent) for n in walk(tree)]
+    made = 0
+    for _, op in mt.operators():
+        for node in ast_nodes(tree):
+            for index, _ in enumerate(list(op.mutation_positions(node))):
+                mt._mutated(tree, node, op, index)
+                made += 1
+    assert made > 100
+    assert [(n, n.parent) for n in walk(tree)] == before
+    assert tree.get_code() == TILING
+    assert all(n.get_root_node() is tree for n, _ in before)
+    found, _ = mt.mutants(TILING, "tiling.py", "tiling")
+    assert len(found) > 100
+
+
 def test_drop_keyword() -> None:
     assert _made("DropKeyword") == {"x = g(a, *b)", "h()", ""}  # "" : the line ``key=1,``
     source = "w = call(\n    a,\n    key=1,\n)\n"
