@@ -225,22 +225,18 @@ def estimate_encode(
     and the host threads a chunk each (``inf`` for the host where a rate is unknown)."""
     c = costs() if constants is None else constants
     rate = c.rate(compressor) if compressor else None
-    known = rate is not None and None not in (
-        rate.encode_gpu_chunk,
-        rate.encode_gpu_batch,
-        rate.encode_host_thread,
-    )
-    if not known or n_chunks <= 0:
+    if rate is None:
         return 0.0, math.inf
-    assert rate is not None
-    assert rate.encode_gpu_chunk and rate.encode_gpu_batch and rate.encode_host_thread
+    one, batch, thread = rate.encode_gpu_chunk, rate.encode_gpu_batch, rate.encode_host_thread
+    if one is None or batch is None or thread is None or n_chunks <= 0:
+        return 0.0, math.inf
     from xarray_gds.batch import pool_threads
 
     threads = c.threads or pool_threads()
     total = n_chunks * chunk_nbytes
-    gpu = c.gpu_call + chunk_nbytes / rate.encode_gpu_chunk + total / rate.encode_gpu_batch
+    gpu = c.gpu_call + chunk_nbytes / one + total / batch
     rounds = -(-n_chunks // max(1, threads))
-    host = c.host_call + total / c.d2h + rounds * chunk_nbytes / rate.encode_host_thread
+    host = c.host_call + total / c.d2h + rounds * chunk_nbytes / thread
     return gpu, host
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import xarray as xr
 import zarr
 
 from xarray_gds import coalesce, decode
 from xarray_gds.codecs import DecodeChain, plan_chain
+from xarray_gds.entries import split
 from xarray_gds.request import ReadRequest
 from xarray_gds.stores import open_target
 
@@ -52,7 +54,7 @@ def chunk_requests(
         ).data_vars
     )
     group = zarr.open_group(opened.store, mode="r", use_consolidated=opened.consolidated)
-    requests = []
+    requests: list[ReadRequest] = []
     for name in names:
         array = group[str(name)]
         assert isinstance(array, zarr.Array)
@@ -60,11 +62,12 @@ def chunk_requests(
         if not isinstance(chain, DecodeChain):
             return None
         prefix = f"{array.path}/" if array.path else ""
-        keys = [prefix + array.metadata.encode_chunk_key(c) for c in array._iter_chunk_coords()]
+        grid = np.ndindex(*array.cdata_shape)
+        keys = [prefix + array.metadata.encode_chunk_key(c) for c in grid]
         per_part = decode.part_chunks(len(keys), chain.nbytes, on_device)
-        for start in range(0, len(keys), per_part):
-            part = keys[start : start + per_part]
-            requests.append(ReadRequest(opened.store, chain, part, on_device))
+        requests += [
+            ReadRequest(opened.store, chain, part, on_device) for part in split(keys, per_part)
+        ]
     return requests
 
 
