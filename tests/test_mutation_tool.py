@@ -6,6 +6,7 @@ whole-suite stage's halving and the survivors file."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from xarray_gds.entries import whole_tiling
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -152,40 +155,8 @@ def test_remove_call() -> None:
 
 
 #: a function of the package whose mutants once broke the tree for the ones after them
-#: (a call removed left nodes under the node it made)
-TILING = textwrap.dedent(
-    '''\
-    import numpy as np
-    def whole_tiling(
-        target: Any, chunk_shape: tuple[int, ...], entries: list[Any], drop_axes: tuple[int, ...]
-    ) -> Tiling | None:
-        """How whole chunks that tile ``target`` exactly are placed with one reshape (one
-        kernel) instead of one copy a chunk; None when the batch does not qualify."""
-        if drop_axes or len(entries) < 2 or not all(e[4] for e in entries):
-            return None
-        if len(chunk_shape) != target.ndim:
-            return None
-        starts = []
-        for _, _, _, out_sel, _ in entries:
-            if not all(isinstance(s, slice) and s.step in (None, 1) for s in out_sel):
-                return None
-            starts.append([s.start or 0 for s in out_sel])
-        origin = np.asarray(starts, dtype=np.int64)
-        if np.any(origin % chunk_shape):
-            return None
-        cells = origin // chunk_shape
-        grid = tuple(int(g) for g in cells.max(axis=0) + 1)
-        if math.prod(grid) != len(entries) or tuple(
-            g * c for g, c in zip(grid, chunk_shape, strict=True)
-        ) != tuple(target.shape):
-            return None
-        order = np.ravel_multi_index(tuple(cells.T), grid)
-        if len(np.unique(order)) != len(entries):
-            return None
-        whole = tuple(slice(0, s) for s in target.shape)
-        return Tiling(grid, whole, whole, None if np.all(np.diff(order) == 1) else order)
-    '''
-)
+#: (a call removed left nodes under the node it made), after an import
+TILING = "import numpy as np\n\n\n" + inspect.getsource(whole_tiling)
 
 
 def test_every_mutant_leaves_the_tree_as_it_was() -> None:
