@@ -990,6 +990,17 @@ def test_whole_tiling_exactly_when_whole_chunks_tile_the_output() -> None:
     assert tiled([(0, 0), (0, 0), (1, 0), (1, 1)], (4, 6)) is None  # a chunk twice
 
 
+def _grid_store(path: Path, shards: tuple[int, int] | None) -> Path:
+    """A v3 store of ``v`` (8 x 12 float64, 0..95) in chunks of 2 x 3, in shards of
+    ``shards`` when given."""
+    encoding: dict[str, Any] = {"chunks": (2, 3)}
+    if shards is not None:
+        encoding["shards"] = shards
+    values = np.arange(8 * 12, dtype="f8").reshape(8, 12)
+    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
+    return path
+
+
 @pytest.mark.parametrize("shards", [None, (4, 6)], ids=["chunks", "shards"])
 def test_missing_chunks_are_errors_when_zarr_is_told_so(
     tmp_path: Path, shards: tuple[int, int] | None
@@ -998,12 +1009,7 @@ def test_missing_chunks_are_errors_when_zarr_is_told_so(
     negated or dropped), and shards' the same: with zarr's ``array.read_missing_chunks``
     off, a read that meets a missing chunk (or shard) fails as engine="zarr" fails, naming
     the same chunk, and a read of chunks all present gives zarr's values."""
-    path = tmp_path / "gaps.zarr"
-    values = np.arange(8 * 12, dtype="f8").reshape(8, 12)
-    encoding: dict[str, Any] = {"chunks": (2, 3)}
-    if shards is not None:
-        encoding["shards"] = shards
-    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
+    path = _grid_store(tmp_path / "gaps.zarr", shards)
     gone = "v/c/1/1"  # a chunk, or the shard of rows 4-7, columns 6-11
     (path / gone).unlink()
     reads = {
@@ -1096,12 +1102,7 @@ def test_zarrs_selections_that_drop_an_axis(tmp_path: Path, shards: tuple[int, i
     from xarray_gds import GdsStore
     from xarray_gds.pipeline import attach
 
-    path = tmp_path / "drop.zarr"
-    values = np.arange(8 * 12, dtype="f8").reshape(8, 12)
-    encoding: dict[str, Any] = {"chunks": (2, 3)}
-    if shards is not None:
-        encoding["shards"] = shards
-    xr.Dataset({"v": (("r", "c"), values)}).to_zarr(path, zarr_format=3, encoding={"v": encoding})
+    path = _grid_store(tmp_path / "drop.zarr", shards)
     ours = attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")["v"])
     ref = zarr.open_group(path, mode="r")["v"]
     for sel in (([0, 5, 6], 4), (3, [1, 7, 11]), (np.array([1, 6]), slice(2, 9))):
