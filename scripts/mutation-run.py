@@ -492,7 +492,7 @@ WORK = ROOT / ".mutation"
 #: the survivors file of the diff and full modes
 SURVIVORS = WORK / "mutation-survivors.json"
 #: raise when what the coverage map holds changes
-MAP_VERSION = 2
+MAP_VERSION = 3
 
 
 def _module_name(path: str) -> str:
@@ -684,16 +684,15 @@ def _hashes(copy: Path, top: str) -> dict[str, str]:
     }
 
 
-def _coverage_run(
-    copy: Path, files: list[str], suite: list[str], env: dict[str, str]
-) -> dict[str, Any]:
+def _coverage_run(copy: Path, suite: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """``suite`` run once under coverage, every file of the package measured."""
     data = copy / ".mutation-coverage" / "coverage"
     shutil.rmtree(data.parent, ignore_errors=True)
     data.parent.mkdir()
     rc = copy / ".mutation-coverage" / "coveragerc"
-    include = "\n".join(f"    {copy / f}" for f in files)
     rc.write_text(
-        f"[run]\ndata_file = {data}\nparallel = true\npatch = subprocess\ninclude =\n{include}\n"
+        f"[run]\ndata_file = {data}\nparallel = true\npatch = subprocess\n"
+        f"include =\n    {copy / 'xarray_gds'}/*\n"
     )
     args = ["--cov", f"--cov-config={rc}", "--cov-context=test", "--cov-report="]
     args += ["--durations=0", "--durations-min=0", *suite]
@@ -711,72 +710,143 @@ def _coverage_run(
     }
 
 
-def _merged(old: dict[str, Any], new: dict[str, Any], dropped: set[str]) -> dict[str, Any]:
-    """``old``'s map without the tests of the files ``dropped``, and ``new``'s."""
+def _merged(
+    old: dict[str, Any], new: dict[str, Any], dropped: set[str], gone: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """``old``'s map without the tests of the test files ``dropped`` and without the
+    package files ``gone`` (changed since: their lines moved), and ``new``'s."""
 
     def kept(test: str) -> bool:
         return test.split("::")[0] not in dropped
 
     lines: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    for part, keep in ((old, kept), (new, lambda t: True)):
-        for file, by_line in part["map"].items():
-            for line, tests in by_line.items():
-                lines[file][line].update(t for t in tests if not t or keep(t))
+    for file, by_line in old["map"].items():
+        if file in gone:
+            continue
+        for line, tests in by_line.items():
+            lines[file][line].update(t for t in tests if not t or kept(t))
+    for file, by_line in new["map"].items():
+        for line, tests in by_line.items():
+            lines[file][line].update(tests)
     return {
-        "map": {f: {ln: sorted(t) for ln, t in v.items() if t} for f, v in lines.items()},
+        "map": {
+            f: ran for f, v in lines.items() if (ran := {ln: sorted(t) for ln, t in v.items() if t})
+        },
         "durations": {
             **{t: s for t, s in old["durations"].items() if kept(t)},
             **new["durations"],
         },
         "failing": sorted({*filter(kept, old["failing"]), *new["failing"]}),
-        "seconds": old["seconds"],
+        "seconds": new.get("seconds", 0.0),
     }
 
 
-def _map_path(copy: Path, files: list[str], suite: list[str]) -> Path:
-    """Where the coverage map of ``files`` in ``copy`` is kept: by the package's files,
-    the files measured and the suite."""
-    digest = hashlib.sha256(f"{MAP_VERSION}\0{sorted(files)}\0{suite}".encode())
-    for name, sha in _hashes(copy, "xarray_gds").items():
-        digest.update(f"{name}\0{sha}\0".encode())
+def _package(copy: Path) -> dict[str, str]:
+    """What a coverage map depends on besides the tests: every file of the package, and
+    ``pyproject.toml`` (pytest's settings), by SHA-256."""
+    found = _hashes(copy, "xarray_gds")
     if (copy / "pyproject.toml").is_file():
-        digest.update((copy / "pyproject.toml").read_bytes())
+        found["pyproject.toml"] = hashlib.sha256((copy / "pyproject.toml").read_bytes()).hexdigest()
+    return found
+
+
+def _map_path(package: dict[str, str], suite: list[str]) -> Path:
+    """Where the coverage map of a package's content and a suite is kept."""
+    digest = hashlib.sha256(f"{MAP_VERSION}\0{suite}".encode())
+    for name, sha in sorted(package.items()):
+        digest.update(f"{name}\0{sha}\0".encode())
     return WORK / f"coverage-{digest.hexdigest()[:16]}.json"
 
 
-def coverage_map(
-    copy: Path, files: list[str], suite: list[str], env: dict[str, str]
-) -> dict[str, Any]:
-    """Which test runs each line of ``files``, each test's time, and the tests failing
+#: an earlier map is brought up to date only while the test files to run again are
+#: fewer than this share of the suite's; past it, the whole suite runs again
+RERUN_SHARE = 0.5
+
+
+def _base_map(suite: list[str], skip: Path) -> dict[str, Any] | None:
+    """The newest coverage map kept in ``.mutation/`` for ``suite`` (another package
+    content than ``skip``'s), to bring up to date; None when there is none."""
+    kept = sorted(WORK.glob("coverage-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in kept[:3]:
+        if path == skip:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("version") == MAP_VERSION and data.get("suite") == suite:
+            return dict(data)
+    return None
+
+
+def since(
+    base: dict[str, Any], package: dict[str, str], tests: dict[str, str]
+) -> tuple[frozenset[str], set[str]] | None:
+    """What a kept map of the suite must measure again: ``(package files changed or
+    deleted, test files whose tests it drops)``. The test files are those changed,
+    added or deleted, and every file of a test that ran a line of a changed package
+    file; those that still exist run again. None when the whole suite must run: a
+    package module added (no test in the map runs it), ``pyproject.toml`` changed, a
+    file of ``tests/`` other than a test module changed, or the files to run again are
+    :data:`RERUN_SHARE` of the suite's or more."""
+
+    def changed(old: dict[str, str], new: dict[str, str]) -> set[str]:
+        return {f for f in old.keys() | new.keys() if old.get(f) != new.get(f)}
+
+    files = changed(base["package"], package)
+    test_files = changed(base["tests"], tests)
+    if "pyproject.toml" in files or any(f not in base["package"] for f in files):
+        return None
+    if not all(re.fullmatch(r"tests/test_\w+\.py", f) for f in test_files):
+        return None
+    dropped = set(test_files)
+    for file in files:
+        for ran in base["map"].get(file, {}).values():
+            dropped.update(t.split("::")[0] for t in ran if t)
+    modules = [f for f in tests if re.fullmatch(r"tests/test_\w+\.py", f)]
+    if len(dropped & set(tests)) >= RERUN_SHARE * max(1, len(modules)):
+        return None
+    return frozenset(files), dropped
+
+
+def coverage_map(copy: Path, suite: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Which test runs each line of the package, each test's time, and the tests failing
     unmutated: one run of ``suite`` under coverage with a context a test (pytest-cov's
     ``--cov-context=test``), subprocesses measured too (coverage's ``patch =
-    subprocess``). Kept in ``.mutation/`` by the package's content (and the files
-    measured and the suite): a second run of the same package reads it back, and where
-    only test files changed since (``test_*.py``: tests written for survivors), runs
-    those files alone and merges them in; any other change in ``tests/`` runs the whole
-    suite again."""
-    kept = _map_path(copy, files, suite)
+    subprocess``). Kept in ``.mutation/`` by the package's content and the suite: a
+    second run of the same content reads it back. After a change, the newest map kept
+    for the suite is brought up to date (:func:`since`): the test files that ran the
+    changed package files, and the test files changed, run again under coverage and
+    replace what the map held of them and of the changed files. A test of another file
+    that reaches a changed file only now is missing from the map: its mutants' lines
+    then run fewer tests first, and the whole-suite stage still judges the survivors."""
+    package = _package(copy)
+    kept = _map_path(package, suite)
     tests = _hashes(copy, "tests")
+    base: dict[str, Any] | None = None
+    if kept.exists():
+        base = json.loads(kept.read_text())
+    if base is None or base.get("version") != MAP_VERSION:
+        base = _base_map(suite, kept) if suite == ["tests"] else None
     found: dict[str, Any] | None = None
     how = "whole"
-    if kept.exists():
-        old = json.loads(kept.read_text())
-        changed = {f for f, sha in tests.items() if old["tests"].get(f) != sha}
-        changed |= set(old["tests"]) - set(tests)
-        test_files = all(re.fullmatch(r"tests/test_\w+\.py", f) for f in changed)
-        if not changed:
-            found, how = old, "kept"
-        elif test_files and suite == ["tests"]:
-            rerun = sorted(f for f in changed if f in tests)
+    plan = since(base, package, tests) if base is not None else None
+    if base is not None and plan is not None:
+        files, dropped = plan
+        rerun = sorted(dropped & set(tests))
+        if not files and not dropped:
+            found, how = base, "kept"
+        elif suite == ["tests"]:  # a suite of its own is run whole
             new = (
-                _coverage_run(copy, files, rerun, env)
+                _coverage_run(copy, rerun, env)
                 if rerun
-                else {"map": {}, "durations": {}, "failing": []}
+                else {"map": {}, "durations": {}, "failing": [], "seconds": 0.0}
             )
-            found, how = _merged(old, new, changed), f"{len(rerun)} test file(s) again"
+            found = _merged(base, new, dropped, files)
+            how = f"{len(files)} package file(s) changed, {len(rerun)} test file(s) again"
     if found is None:
-        found = _coverage_run(copy, files, suite, env)
-    found["tests"] = tests
+        found = _coverage_run(copy, suite, env)
+    found.update(version=MAP_VERSION, suite=suite, package=package, tests=tests)
     WORK.mkdir(exist_ok=True)
     kept.write_text(json.dumps(found) + "\n")
     found["how"] = how
@@ -1010,7 +1080,7 @@ def run_mutants(
         mutation_tool.summarize(report, found)
         return
     t0 = time.monotonic()
-    cov = coverage_map(copy, sorted(targets), suite, env)
+    cov = coverage_map(copy, suite, env)
     report.seconds["coverage"] = round(time.monotonic() - t0, 1)
     print(
         f"coverage of {len(targets)} file(s): {cov['how']} "

@@ -667,3 +667,133 @@ def test_coverage_map_merged_after_new_tests() -> None:
     }
     assert merged["durations"] == {"tests/test_a.py::t1": 1.0, "tests/test_b.py::t3": 0.5}
     assert merged["failing"] == []
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_kept_map_brought_up_to_date_after_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a package file changes, only the test files that ran it run again under
+    coverage: the map keeps what the other tests ran of the unchanged files, and takes
+    the changed file's lines from the new run alone."""
+    run = _script()
+    monkeypatch.setattr(run, "WORK", tmp_path / "work")
+    copy = tmp_path / "copy"
+    _tree(
+        copy,
+        {
+            "pyproject.toml": "[project]\n",
+            "xarray_gds/a.py": "A = 1\n",
+            "xarray_gds/b.py": "B = 1\n",
+            **{f"tests/test_{n}.py": f"# {n}\n" for n in "abcdef"},
+        },
+    )
+    runs: list[list[str]] = []
+
+    def coverage_run(copy_: Path, suite: list[str], env: dict[str, str]) -> dict[str, Any]:
+        runs.append(list(suite))
+        if suite == ["tests"]:  # the whole suite: a.py run by test_a, b.py by test_b
+            return {
+                "map": {
+                    "xarray_gds/a.py": {"1": ["", "tests/test_a.py::t"]},
+                    "xarray_gds/b.py": {"1": ["tests/test_b.py::t"], "2": ["tests/test_c.py::t"]},
+                },
+                "durations": {"tests/test_a.py::t": 1.0, "tests/test_b.py::t": 2.0},
+                "failing": ["tests/test_b.py::t"],
+                "seconds": 9.0,
+            }
+        return {
+            "map": {"xarray_gds/b.py": {"5": ["tests/test_b.py::u"]}},
+            "durations": {"tests/test_b.py::u": 0.5},
+            "failing": [],
+            "seconds": 1.0,
+        }
+
+    monkeypatch.setattr(run, "_coverage_run", coverage_run)
+    first = run.coverage_map(copy, ["tests"], {})
+    assert first["how"] == "whole" and runs == [["tests"]]
+    assert run.coverage_map(copy, ["tests"], {})["how"] == "kept"
+    assert runs == [["tests"]]
+
+    (copy / "xarray_gds/b.py").write_text("B = 2\n")
+    second = run.coverage_map(copy, ["tests"], {})
+    assert runs[1] == ["tests/test_b.py", "tests/test_c.py"]
+    assert second["how"] == "1 package file(s) changed, 2 test file(s) again"
+    assert second["map"] == {
+        "xarray_gds/a.py": {"1": ["", "tests/test_a.py::t"]},
+        "xarray_gds/b.py": {"5": ["tests/test_b.py::u"]},
+    }
+    assert second["durations"] == {"tests/test_a.py::t": 1.0, "tests/test_b.py::u": 0.5}
+    assert second["failing"] == []
+    # kept under the new content: read back as it is
+    assert run.coverage_map(copy, ["tests"], {})["how"] == "kept" and len(runs) == 2
+
+    # a test file deleted: its tests leave the map, nothing runs
+    (copy / "tests/test_f.py").unlink()
+    third = run.coverage_map(copy, ["tests"], {})
+    assert third["how"] == "0 package file(s) changed, 0 test file(s) again" and len(runs) == 2
+
+    # a module added: no test in the map runs it, so the whole suite runs again
+    (copy / "xarray_gds/c.py").write_text("C = 1\n")
+    assert run.coverage_map(copy, ["tests"], {})["how"] == "whole" and runs[-1] == ["tests"]
+
+
+def test_what_a_kept_map_runs_again() -> None:
+    run = _script()
+    base = {
+        "package": {"xarray_gds/a.py": "1", "xarray_gds/b.py": "1", "pyproject.toml": "1"},
+        "tests": {f"tests/test_{n}.py": "1" for n in "abcdef"} | {"tests/conftest.py": "1"},
+        "map": {
+            "xarray_gds/a.py": {"1": ["", "tests/test_a.py::t"]},
+            "xarray_gds/b.py": {"3": ["tests/test_b.py::t", "tests/test_c.py::t[1]"]},
+        },
+    }
+    package, tests = dict(base["package"]), dict(base["tests"])
+    assert run.since(base, package, tests) == (frozenset(), set())
+    # a test file changed: it alone
+    assert run.since(base, package, {**tests, "tests/test_f.py": "2"}) == (
+        frozenset(),
+        {"tests/test_f.py"},
+    )
+    # a test file deleted: its tests dropped (nothing to run)
+    gone = {k: v for k, v in tests.items() if k != "tests/test_e.py"}
+    assert run.since(base, package, gone) == (frozenset(), {"tests/test_e.py"})
+    # a package file changed: the files of the tests that ran it
+    assert run.since(base, {**package, "xarray_gds/b.py": "2"}, tests) == (
+        frozenset({"xarray_gds/b.py"}),
+        {"tests/test_b.py", "tests/test_c.py"},
+    )
+    # a package file deleted: nothing ran only it, nothing to run
+    no_a = {k: v for k, v in package.items() if k != "xarray_gds/a.py"}
+    assert run.since(base, no_a, tests) == (frozenset({"xarray_gds/a.py"}), {"tests/test_a.py"})
+    # the whole suite: a module added, pytest's settings, a conftest, half the suite
+    assert run.since(base, {**package, "xarray_gds/new.py": "1"}, tests) is None
+    assert run.since(base, {**package, "pyproject.toml": "2"}, tests) is None
+    assert run.since(base, package, {**tests, "tests/conftest.py": "2"}) is None
+    three = {**tests, **{f"tests/test_{n}.py": "2" for n in "def"}}
+    assert run.since(base, package, three) is None
+    two = {**tests, **{f"tests/test_{n}.py": "2" for n in "ef"}}
+    assert run.since(base, package, two) == (frozenset(), {"tests/test_e.py", "tests/test_f.py"})
+
+
+def test_merged_drops_the_changed_files_lines() -> None:
+    run = _script()
+    old = {
+        "map": {
+            "a.py": {"3": ["tests/test_a.py::t"]},
+            "b.py": {"7": ["tests/test_a.py::t"], "8": ["", "tests/test_z.py::t"]},
+        },
+        "durations": {"tests/test_a.py::t": 1.0, "tests/test_z.py::t": 3.0},
+        "failing": [],
+        "seconds": 9.0,
+    }
+    new = {"map": {"b.py": {"2": ["tests/test_a.py::t"]}}, "durations": {}, "failing": []}
+    merged = run._merged(old, new, {"tests/test_a.py"}, frozenset({"b.py"}))
+    assert merged["map"] == {"b.py": {"2": ["tests/test_a.py::t"]}}
+    assert merged["durations"] == {"tests/test_z.py::t": 3.0}
