@@ -126,7 +126,8 @@ ORDERINGS: tuple[Ordering, ...] = (
         "codecs/nvcomp.py",
         _WAIT,
         1,
-        "nvCOMP's encode lane waits for the kernels that compute what it encodes",
+        "nvCOMP's encode lane waits for the kernels that compute what it encodes, and for "
+        "the current stream's users of its output block",
         _wave("gpu-kvikio"),
     ),
     Ordering(

@@ -926,13 +926,19 @@ def _encoded(out: Any, starts: np.ndarray, sizes: np.ndarray) -> list[bytes]:
 
 
 def encode_lane_waits(env: Env, tmp_path: Path) -> None:
-    """nvCOMP's encode lane waits for the current stream's writes of its inputs."""
+    """nvCOMP's encode lane waits for the current stream's writes of its inputs, and for
+    the current stream's users of the block CuPy's pool hands out as its output: an
+    event recorded after that block's allocation."""
     buffer, rows, wrote = _values_on_device(env, 4, 1024)
     offsets = np.arange(4, dtype=np.int64) * 1024
     out, starts, sizes = nvcomp._encode_batch(get("zlib"), buffer, offsets, np.full(4, 1024))
     assert _encoded(out, starts, sizes) == [r.tobytes() for r in rows]
     (lane,) = nvcomp._all_lanes
-    _waited_before(env.log, lane.stream, env.log.main, wrote, _only(env.log.find("encode")))
+    log = env.log
+    encode = _only(log.find("encode"))
+    _waited_before(log, lane.stream, log.main, wrote, encode)
+    output = log.entries[encode].buffers[1]
+    _waited_before(log, lane.stream, log.main, _only(log.find("alloc", buffer=output)), encode)
 
 
 def encode_final_sync(env: Env, tmp_path: Path) -> None:
@@ -963,6 +969,9 @@ def encode_retry_sync(env: Env, tmp_path: Path) -> None:
     (lane,) = nvcomp._all_lanes
     _synced_between(log, lane.stream, first, _only(log.find("free", buffer=small)))
     assert in_use_at_return(log) == []
+    # the larger rows are a block of their own: the lane waits for its users too
+    larger = log.entries[second].buffers[1]
+    _waited_before(log, lane.stream, log.main, _only(log.find("alloc", buffer=larger)), second)
 
 
 def oom_retry_sync(env: Env, tmp_path: Path) -> None:

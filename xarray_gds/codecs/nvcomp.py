@@ -557,7 +557,6 @@ def _encode_batch(
     n = len(sizes)
     with _lane() as lane:
         stream = lane.stream
-        stream.wait_event(cp.cuda.get_current_stream().record())
         inputs = _batch(buffer, offsets, sizes, stream)
         row = fmt.encode_bound(int(sizes.max()) if n else 0)
         try:
@@ -565,6 +564,12 @@ def _encode_batch(
                 row = -(-row // _ALIGN) * _ALIGN
                 out = cp.empty(n * row, dtype=cp.uint8)
                 rows = np.arange(n, dtype=np.int64) * row
+                # nvCOMP runs on its own stream: make it wait for the kernels that
+                # computed the inputs, and for the current stream's users of the block
+                # CuPy's pool just handed out as ``out`` (a buffer another thread freed
+                # with a write to it still queued): waiting before ``out`` is allocated,
+                # that late write lands on nvCOMP's output
+                stream.wait_event(cp.cuda.get_current_stream().record())
                 outputs = _batch(out, rows, np.full(n, row, dtype=np.int64), stream)
                 try:
                     call = _codec(lane, fmt).encode
