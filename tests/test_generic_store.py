@@ -64,7 +64,7 @@ def test_a_range_read_comes_back_whole_or_raises_naming_the_key() -> None:
     ranges = (np.array([2, 4]), np.array([3, 8]))
     with pytest.raises(OSError, match=r"short read of 'v/c/0': got 6 of the 8 bytes at 4;"):
         source.read_ranges_all([source, source], ["v/c/0", "v/c/0"], ranges, False)
-    got = source.read_ranges_all([source], ["v/c/0"], (np.array([2]), np.array([3])), False)
+    got: Any = source.read_ranges_all([source], ["v/c/0"], (np.array([2]), np.array([3])), False)
     assert bytes(got[0]) == bytes([2, 3, 4])
     longer = cpu.Buffer.from_bytes(bytes(7))
     with pytest.raises(OSError, match=r"got 7 of the 5 bytes at 4;"):
