@@ -1110,3 +1110,265 @@ def test_zarrs_selections_that_drop_an_axis(tmp_path: Path, shards: tuple[int, i
         got = ours.get_orthogonal_selection(sel)
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+# -- shards.py ------------------------------------------------------------------------------
+def test_zarrs_boolean_selections_of_a_sharded_array(tmp_path: Path) -> None:
+    """shards ``if idx.dtype == bool`` -> ``is bool``, ``< bool``: zarr's orthogonal
+    selection with a boolean mask on one axis hands each shard the mask itself (not its
+    indices); through the engine's codec pipeline it reads the rows the mask picks from
+    every inner chunk, as zarr-python reads them."""
+    from xarray_gds import GdsStore
+    from xarray_gds.pipeline import attach
+
+    path = _grid_store(tmp_path / "mask.zarr", (4, 6))
+    ours = attach(zarr.open_group(GdsStore(path, read_only=True), mode="r")["v"])
+    ref = zarr.open_group(path, mode="r")["v"]
+    for rows in ([6], [1, 6], [3, 7], [0, 2, 5]):  # inner chunks 0 and 1 of both shards
+        mask = np.zeros(8, dtype=bool)
+        mask[rows] = True
+        want = ref.oindex[mask, :]
+        got = ours.oindex[mask, :]
+        assert got.shape == want.shape == (len(rows), 12)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_shard_file_shorter_than_its_index_is_named(tmp_path: Path) -> None:
+    """shards ``if raw.size != n`` -> ``if raw.size > n``: a shard file cut shorter than
+    its index (index at the end or at the start, with a CRC-32C or without) fails naming
+    the shard, the bytes read and the index's size, not with numpy's error about a
+    buffer that does not fit the table."""
+    import zarr.codecs as zc
+
+    for location in ("end", "start"):
+        for index_codecs in ([zc.BytesCodec(), zc.Crc32cCodec()], [zc.BytesCodec()]):
+            path = tmp_path / f"{location}-{len(index_codecs)}.zarr"
+            sharding = zc.ShardingCodec(
+                chunk_shape=(2, 3),
+                codecs=[zc.BytesCodec(), zc.ZstdCodec()],
+                index_codecs=index_codecs,
+                index_location=location,
+            )
+            group = zarr.open_group(path, mode="w", zarr_format=3)
+            array = group.create_array(
+                "v",
+                shape=(8, 12),
+                dtype="f8",
+                chunks=(4, 6),
+                serializer=sharding,
+                compressors=None,
+                dimension_names=["r", "c"],
+            )
+            array[:] = np.arange(96.0).reshape(8, 12)
+            (path / "v" / "c" / "1" / "0").write_bytes(b"0123456789")
+            expected = 4 * 16 + 4 * (len(index_codecs) - 1)  # 4 inner chunks, the CRC
+            ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+            with pytest.raises(ChunkDecodeError) as err:
+                ds.v.load()
+            assert err.value.key == "v/c/1/0" and err.value.codec == "sharding_indexed"
+            assert f"index of 10 bytes, expected {expected} (the shard file holds 10)" in str(
+                err.value
+            )
+
+
+def _sharded_grid(path: Path, location: str) -> Path:
+    """``v`` (8 x 12 float64, 0..95) in inner chunks of 2 x 3, shards of 4 x 6 (4 inner
+    chunks each), the shard index (with its CRC-32C) at ``location``."""
+    import zarr.codecs as zc
+
+    sharding = zc.ShardingCodec(
+        chunk_shape=(2, 3),
+        codecs=[zc.BytesCodec(), zc.ZstdCodec()],
+        index_codecs=[zc.BytesCodec(), zc.Crc32cCodec()],
+        index_location=location,
+    )
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    array = group.create_array(
+        "v",
+        shape=(8, 12),
+        dtype="f8",
+        chunks=(4, 6),
+        serializer=sharding,
+        compressors=None,
+        dimension_names=["r", "c"],
+    )
+    array[:] = np.arange(96.0).reshape(8, 12)
+    return path
+
+
+def _set_index_entry(shard: Path, location: str, k: int, offset: int, nbytes: int) -> None:
+    """Give inner chunk ``k`` of ``shard`` the range (``offset``, ``nbytes``) in its index
+    (4 entries and a valid CRC-32C, so that only the range checks can catch it)."""
+    import struct
+
+    import google_crc32c
+
+    raw = bytearray(shard.read_bytes())
+    start = 0 if location == "start" else len(raw) - 68
+    table = np.frombuffer(bytes(raw[start : start + 64]), dtype="<u8").reshape(4, 2).copy()
+    table[k] = (np.uint64(offset), np.uint64(nbytes))
+    raw[start : start + 64] = table.tobytes()
+    raw[start + 64 : start + 68] = struct.pack("<I", google_crc32c.value(table.tobytes()))
+    shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("location", ["end", "start"])
+def test_shard_index_ranges_of_2_62_bytes_and_more_are_named(tmp_path: Path, location: str) -> None:
+    """shards ``huge = np.any(table >= np.uint64(1 << 62), axis=1)`` (``>=`` -> ``==`` or
+    ``>``, the bound -> ``1 << 63`` or ``2 << 62``) and ``bad = huge | (start < lo)`` ->
+    ``huge ^ (start < lo)``: an index entry whose offset and size are 2**62 or more (their
+    sum past what an int64 holds) fails naming the inner chunk and the range the index
+    gives it, with the index at the end or at the start of the shard, instead of a read
+    of exabytes."""
+    cases = [(1 << 62, 1 << 62), ((1 << 62) + 8, (1 << 62) + 8), (1 << 63, 1 << 63)]
+    for n, (offset, nbytes) in enumerate(cases):
+        path = _sharded_grid(tmp_path / f"{n}.zarr", location)
+        _set_index_entry(path / "v" / "c" / "0" / "1", location, 1, offset, nbytes)
+        ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+        xr.testing.assert_identical(
+            ds.v.isel(c=slice(0, 6)).load(),
+            xr.open_dataset(path, engine="zarr", consolidated=False).v.isel(c=slice(0, 6)).load(),
+        )
+        with pytest.raises(ChunkDecodeError) as err:
+            ds.v.load()
+        assert err.value.key == "v/c/0/1 (inner chunk (0, 1))", (offset, err.value.key)
+        assert f"gives it {nbytes} bytes at offset {offset}, outside the chunk data" in str(
+            err.value
+        )
+
+
+def test_shard_index_ranges_outside_the_chunk_data_are_named(tmp_path: Path) -> None:
+    """shards ``bad = huge | (start < lo) | (start + size > hi)``: its ``|`` -> ``<<``,
+    ``>>`` or ``^``, ``start < lo`` -> ``start is lo``, ``start + size`` -> ``start | size``
+    or ``start ^ size``: a range that starts inside an index at the start of the shard,
+    one that also ends past the file, and one that ends a byte past the chunk data (an
+    offset and a size with bits in common) each fail naming the inner chunk and the
+    range, where the rest of the array reads as engine="zarr" reads it."""
+    import os
+
+    for n, location in enumerate(["start", "start", "start", "end"]):
+        path = _sharded_grid(tmp_path / f"{n}.zarr", location)
+        shard = path / "v" / "c" / "0" / "1"
+        size = os.path.getsize(shard)
+        lo, hi = (68, size) if location == "start" else (0, size - 68)
+        if n == 0:  # inside the index
+            offset, nbytes = 0, 8
+        elif n == 1:  # inside the index and past the end of the file
+            offset, nbytes = 0, size + 8
+        else:  # a byte past the chunk data; offset | nbytes and offset ^ nbytes inside
+            offset = next(o for o in range(lo, hi) if (o | (hi + 1 - o)) <= hi)
+            nbytes = hi + 1 - offset
+            assert (offset ^ nbytes) <= hi < offset + nbytes
+        _set_index_entry(shard, location, 1, offset, nbytes)
+        ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+        xr.testing.assert_identical(
+            ds.v.isel(c=slice(0, 6)).load(),
+            xr.open_dataset(path, engine="zarr", consolidated=False).v.isel(c=slice(0, 6)).load(),
+        )
+        with pytest.raises(ChunkDecodeError) as err:
+            ds.v.load()
+        assert err.value.key == "v/c/0/1 (inner chunk (0, 1))", (n, err.value.key)
+        assert (
+            f"gives it {nbytes} bytes at offset {offset}, outside the chunk data (bytes {lo} "
+            f"to {hi}) of the {size}-byte shard file"
+        ) in str(err.value)
+
+
+def test_the_first_bad_range_of_a_shard_index_is_named(tmp_path: Path) -> None:
+    """shards ``j = int(np.flatnonzero(bad)[0])`` -> ``[-1]`` and ``offset, nbytes =
+    int(table[j, 0]), int(table[j, 1])`` (either column taken for the other): of two
+    inner chunks whose ranges lie outside the chunk data, the error names the first in
+    C order, with its offset and its size each where it belongs."""
+    path = _sharded_grid(tmp_path / "two.zarr", "end")
+    shard = path / "v" / "c" / "1" / "0"
+    _set_index_entry(shard, "end", 1, 5000, 7)
+    _set_index_entry(shard, "end", 3, 9000, 11)
+    ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+    with pytest.raises(ChunkDecodeError) as err:
+        ds.v.load()
+    assert err.value.key == "v/c/1/0 (inner chunk (0, 1))"
+    assert "the shard index gives it 7 bytes at offset 5000, outside the chunk data" in str(
+        err.value
+    )
+
+
+@pytest.mark.parametrize("per_part", [1, 3])
+def test_a_sharded_read_in_parts_of_shards(tmp_path: Path, per_part: int) -> None:
+    """shards ``found, at = indexes[at : at + len(part)], at + len(part)`` (either ``+``
+    -> ``|``, ``^``, ``&``): a read of four shards in parts of one shard, or of three and
+    one (a batch budget of that many shards' bytes), gives each part its own shards'
+    indexes: the values engine="zarr" reads."""
+    path = _sharded_grid(tmp_path / "parts.zarr", "end")
+    ref = xr.open_dataset(path, engine="zarr", consolidated=False).v.load()
+    with zarr.config.set({"xarray_gds.batch_bytes": per_part * 4 * 6 * 8}):
+        got = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False).v
+        xr.testing.assert_identical(got.load(), ref)
+
+
+def test_a_shard_index_entry_half_missing_is_named(tmp_path: Path) -> None:
+    """shards ``keep = ~((table[:, 0] == missing) & (table[:, 1] == missing))`` (a
+    comparison -> ``is not``, ``<=``, a column for the other, ``&`` -> ``|`` or ``+``): an
+    inner chunk is missing (read as the fill value) only when both its offset and its
+    size are 2**64 - 1; an entry with one of them alone so fails naming the inner chunk,
+    while a missing one reads as engine="zarr" reads it."""
+    full = (1 << 64) - 1
+    for n, (offset, nbytes) in enumerate([(8, full), (full, 8)]):
+        path = _sharded_grid(tmp_path / f"{n}.zarr", "end")
+        _set_index_entry(path / "v" / "c" / "0" / "1", "end", 1, offset, nbytes)
+        ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+        with pytest.raises(ChunkDecodeError) as err:
+            ds.v.load()
+        assert err.value.key == "v/c/0/1 (inner chunk (0, 1))"
+        assert f"gives it {nbytes} bytes at offset {offset}, outside the chunk data" in str(
+            err.value
+        )
+    path = _sharded_grid(tmp_path / "missing.zarr", "end")
+    _set_index_entry(path / "v" / "c" / "0" / "1", "end", 1, full, full)
+    got = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False).v.load()
+    want = xr.open_dataset(path, engine="zarr", consolidated=False).v.load()
+    xr.testing.assert_identical(got, want)
+    values = np.arange(96.0).reshape(8, 12)
+    assert (got.values[0:2, 9:12] != values[0:2, 9:12]).all()  # the fill value there
+    np.testing.assert_array_equal(got.values[:, :9], values[:, :9])
+
+
+@pytest.mark.parametrize("per_part", [1, 4])
+def test_reads_of_missing_shards_only(tmp_path: Path, per_part: int) -> None:
+    """shards ``empty = np.zeros(0, dtype=np.int64)`` (dropped, or one element long):
+    a read whose shards are all missing (the rows of a deleted shard, or a part of one
+    missing shard) reads the fill value there, as engine="zarr" reads it."""
+    path = _sharded_grid(tmp_path / "gone.zarr", "end")
+    (path / "v" / "c" / "1" / "1").unlink()
+    ref = xr.open_dataset(path, engine="zarr", consolidated=False).v
+    with zarr.config.set({"xarray_gds.batch_bytes": per_part * 4 * 6 * 8}):
+        ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
+        for sel in ({"r": slice(4, 8), "c": slice(6, 12)}, {"r": slice(5, 7)}, {}):
+            xr.testing.assert_identical(ds.v.isel(sel).load(), ref.isel(sel).load())
+
+
+def test_a_shard_that_vanishes_while_it_is_read_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shards ``if len(present) != len(plan.sizes)`` -> ``>``: a shard file of a store
+    that reads a missing object as nothing (zarr's LocalStore) deleted after its index
+    was read and before its inner chunks were fails naming the first inner chunk that was
+    not there, instead of reading as the fill value."""
+    from xarray_gds import shards
+    from xarray_gds.pipeline import attach
+
+    path = _sharded_grid(tmp_path / "vanish.zarr", "end")
+    real = shards._shard_plan
+
+    def plan_then_delete(chain: Any, part: list[Any], indexes: list[Any]) -> Any:
+        done = real(chain, part, indexes)
+        if [bg.path for bg, *_ in part] == ["v/c/1/0"]:
+            (path / "v" / "c" / "1" / "0").unlink()
+        return done
+
+    monkeypatch.setattr(shards, "_shard_plan", plan_then_delete)
+    array = attach(zarr.open_array(zarr.storage.LocalStore(path, read_only=True), path="v"))
+    np.testing.assert_array_equal(array[:4], np.arange(48.0).reshape(4, 12))
+    with pytest.raises(ChunkDecodeError) as err:
+        array[4:, :6]
+    assert err.value.key == "v/c/1/0 (inner chunk (0, 0))"
+    assert "the shard vanished while it was read" in str(err.value)
