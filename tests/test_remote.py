@@ -1118,3 +1118,121 @@ def test_write_to_unreachable_s3_endpoint_is_classified():
     assert err.value.__cause__ is None and err.value.__context__ is None
     for shown in _texts(err.value):
         assert KEY not in shown and SECRET not in shown
+
+
+def test_a_listing_of_100_objects_asks_for_one_page(s3, monkeypatch):
+    """listings ``pages = max(1, -(-len(keys) // 100) * LIST_PAGES_PER_100)`` (``-len(keys)``
+    -> ``~len(keys)``, ``// 100`` -> ``// 99``, ``*`` -> ``|`` or ``^``): 100 objects wanted
+    are one page's worth and the 101st makes two, through s3fs and through obstore alike;
+    with pages of 40 objects the listing of 100 stops after the first 40, that of 101
+    after the first 80."""
+    from zarr.storage import FsspecStore
+
+    from xarray_gds.backend import open_store
+    from xarray_gds.stores import listings
+
+    url = "s3://data/hundred.zarr"
+    many = xr.Dataset({"m": (("i",), np.arange(101.0))})
+    many.to_zarr(url, storage_options=s3, encoding={"m": {"chunks": (1,)}}, consolidated=False)
+    fs = s3fs.S3FileSystem(**s3)
+    keys = sorted(k[len(url) - 5 + 1 :] for k in fs.find(f"{url[5:]}/m/c"))
+    assert len(keys) == 101
+    monkeypatch.setattr(listings, "LIST_PAGE", 40)
+    for store in (
+        FsspecStore.from_url(url, storage_options=s3, read_only=True),
+        open_store(url, storage_options=s3),
+    ):
+        one = listings.list_sizes(store, keys[:100])
+        assert one is not None and sorted(one.sizes) == keys[:40]
+        assert one.complete_to == keys[39]
+        two = listings.list_sizes(store, keys)
+        assert two is not None and sorted(two.sizes) == keys[:80]
+        assert two.complete_to == keys[79]
+
+
+def test_a_listing_of_a_store_at_the_root_of_its_bucket(s3):
+    """listings ``skip = len(root) + 1 if root else 0`` (its ``0`` -> ``1`` or ``-1``): a
+    store at the root of its bucket (no path in the bucket) lists its objects under the
+    keys the reader asks for, with the sizes the server has."""
+    from zarr.storage import FsspecStore
+
+    from xarray_gds.stores import listings
+
+    s3_client(s3["endpoint_url"], KEY, SECRET).create_bucket(Bucket="root-store")
+    fs = s3fs.S3FileSystem(**s3)
+    url = "s3://root-store"
+    ds = xr.Dataset({"m": (("i",), np.arange(12.0))})
+    ds.to_zarr(url, storage_options=s3, encoding={"m": {"chunks": (1,)}}, consolidated=False)
+    keys = sorted(k[len("root-store/") :] for k in fs.find("root-store/m/c"))
+    assert len(keys) == 12 and keys[0] == "m/c/0"
+    store = FsspecStore.from_url(url, storage_options=s3, read_only=True)
+    listing = listings.list_sizes(store, keys)
+    assert listing is not None
+    assert listing.sizes == {k: fs.size(f"root-store/{k}") for k in keys}
+
+
+def test_a_listing_asks_for_the_keys_whole_common_directory(s3, s3_store, monkeypatch):
+    """listings ``return low[: low.rfind("/", 0, n) + 1]`` (its ``+ 1`` -> ``+ 0``,
+    ``- 1``, ``| 1``, ``^ 1``, ``& 1``, ``>> 1``, ``* 1``, ``** 1``, ``// 1``): a listing
+    asks the server for the objects under the longest directory that holds every key
+    wanted (ending in ``/``), through s3fs and through obstore alike, so that the
+    objects of other arrays and directories beside it take no page."""
+    import obstore
+    from zarr.storage import FsspecStore
+
+    from xarray_gds.backend import open_store
+    from xarray_gds.stores import listings
+
+    fs = s3fs.S3FileSystem(**s3)
+    present = sorted(k[len(s3_store) - 5 + 1 :] for k in fs.find(f"{s3_store[5:]}/t/c"))
+    asked: list[str] = []
+    real_call = s3fs.S3FileSystem._call_s3
+    real_list = obstore.list
+
+    async def call_s3(self, method, *args, **kwargs):
+        if method == "list_objects_v2":
+            asked.append(kwargs["Prefix"])
+        return await real_call(self, method, *args, **kwargs)
+
+    def listing(store, prefix=None, **kwargs):
+        asked.append(prefix)
+        return real_list(store, prefix, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    monkeypatch.setattr(obstore, "list", listing)
+    first = [k for k in present if k.startswith("t/c/0/")]
+    absent = [f"t/c/0/9/{i}" for i in range(4)]  # keys of no object, wanted too
+    assert len(present) >= listings.LIST_MIN_KEYS and len(present) > len(first)
+    for keys, directory in ((present, "t/c/"), (first + absent, "t/c/0/")):
+        asked.clear()
+        fsspec_store = FsspecStore.from_url(s3_store, storage_options=s3, read_only=True)
+        for store in (fsspec_store, open_store(s3_store, storage_options=s3)):
+            got = listings.list_sizes(store, keys)
+            assert got is not None and sorted(got.sizes) == [k for k in keys if k in present]
+        assert asked == [f"one.zarr/{directory}", directory]
+
+
+def test_an_http_store_is_never_listed(monkeypatch):
+    """listings ``type(obj).__name__ != "S3Store"`` -> ``>``: an obstore ``HTTPStore``
+    (a web server: no listing API) gets no listing request at all, and the reader asks
+    for each size; the same number of keys of an ``S3Store`` is listed."""
+    import obstore
+    from obstore.store import HTTPStore, S3Store
+    from zarr.storage import ObjectStore
+
+    from xarray_gds.stores import listings
+
+    asked: list[str] = []
+
+    def listing(store, prefix=None, **kwargs):
+        asked.append(type(store).__name__)
+        raise OSError("no server here")
+
+    monkeypatch.setattr(obstore, "list", listing)
+    keys = [f"v/c/{i}" for i in range(listings.LIST_MIN_KEYS)]
+    http = ObjectStore(HTTPStore.from_url("http://127.0.0.1:9/x.zarr"), read_only=True)
+    assert listings.list_sizes(http, keys) is None
+    assert asked == []
+    s3 = ObjectStore(S3Store("bucket", endpoint="http://127.0.0.1:9"), read_only=True)
+    assert listings.list_sizes(s3, keys) is None  # refused: each size asked for
+    assert asked == ["S3Store"]
