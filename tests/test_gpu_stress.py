@@ -30,7 +30,8 @@ for and the values are exact; without it, the poison is what is read:
   back to CuPy's pinned pool, with their copies still queued behind the spin;
 - the staged decode's rows come from a block the current stream fills late, and its
   pinned lease is overwritten as it goes back; the split decode's copies are late;
-- nvCOMP's decode and encode inputs are written by the current stream after a spin;
+- nvCOMP's decode and encode inputs are written by the current stream after a spin,
+  and the block an encode's output gets was filled after a spin and freed just before;
 - a prefetched batch's values land after a spin in the loader's thread.
 
 Every value read is compared with what ``engine="zarr"`` reads (or, for writes, with
@@ -324,9 +325,24 @@ def late_streams(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         arena = poisoned(src.arena, 0)
         return run(fmt, codec, nvcomp.DeviceBatch(arena, src.offsets, src.sizes), *rest)
 
+    batch_arrays = nvcomp._batch
+    output = threading.local()  # the size of the encode output this thread allocates next
+
+    def late_batch(buffer: Any, offsets: Any, sizes: Any, stream: Any) -> Any:
+        size = getattr(output, "size", None)
+        if size is not None:  # the lane is set up: the output's block is handed out next
+            output.size = None
+            decoy(size)
+        return batch_arrays(buffer, offsets, sizes, stream)
+
     def late_encode_batch(fmt: Any, buffer: Any, offsets: Any, sizes: Any) -> Any:
         hit("nvcomp-encode")
-        return encode_batch(fmt, poisoned(buffer, 0xFF), offsets, sizes)
+        bound = fmt.encode_bound(int(np.max(sizes))) if len(sizes) else 0
+        output.size = len(sizes) * (-(-bound // nvcomp._ALIGN) * nvcomp._ALIGN)
+        try:
+            return encode_batch(fmt, poisoned(buffer, 0xFF), offsets, sizes)
+        finally:
+            output.size = None
 
     prefetcher_init = prefetch.Prefetcher.__init__
 
@@ -351,6 +367,7 @@ def late_streams(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(decode, "decode_split", late_decode_split)
     monkeypatch.setattr(nvcomp, "_run", late_run)
     monkeypatch.setattr(nvcomp, "_encode_batch", late_encode_batch)
+    monkeypatch.setattr(nvcomp, "_batch", late_batch)
     monkeypatch.setattr(prefetch.Prefetcher, "__init__", late_prefetcher_init)
     return calls
 
