@@ -718,6 +718,8 @@ def test_a_kept_map_brought_up_to_date_after_a_change(
     monkeypatch.setattr(run, "_coverage_run", coverage_run)
     first = run.coverage_map(copy, ["tests"], {})
     assert first["how"] == "whole" and runs == [["tests"]]
+    (first_map,) = run.WORK.glob("coverage-*.json")
+    os.utime(first_map, (1_000_000, 1_000_000))  # older than every map made below
     assert run.coverage_map(copy, ["tests"], {})["how"] == "kept"
     assert runs == [["tests"]]
 
@@ -731,13 +733,22 @@ def test_a_kept_map_brought_up_to_date_after_a_change(
     }
     assert second["durations"] == {"tests/test_a.py::t": 1.0, "tests/test_b.py::u": 0.5}
     assert second["failing"] == []
+    assert second["seconds"] == 9.0  # the whole suite's time, not the rerun's
     # kept under the new content: read back as it is
     assert run.coverage_map(copy, ["tests"], {})["how"] == "kept" and len(runs) == 2
+
+    # the next change starts from the newest map kept (the one after b.py changed)
+    (copy / "xarray_gds/a.py").write_text("A = 2\n")
+    newest = run.coverage_map(copy, ["tests"], {})
+    assert newest["how"] == "1 package file(s) changed, 1 test file(s) again"
+    assert runs[2] == ["tests/test_a.py"] and newest["seconds"] == 9.0
+    (copy / "xarray_gds/a.py").write_text("A = 1\n")
+    assert run.coverage_map(copy, ["tests"], {})["how"] == "kept" and len(runs) == 3
 
     # a test file deleted: its tests leave the map, nothing runs
     (copy / "tests/test_f.py").unlink()
     third = run.coverage_map(copy, ["tests"], {})
-    assert third["how"] == "0 package file(s) changed, 0 test file(s) again" and len(runs) == 2
+    assert third["how"] == "0 package file(s) changed, 0 test file(s) again" and len(runs) == 3
 
     # a module added: no test in the map runs it, so the whole suite runs again
     (copy / "xarray_gds/c.py").write_text("C = 1\n")
@@ -746,15 +757,16 @@ def test_a_kept_map_brought_up_to_date_after_a_change(
 
 def test_what_a_kept_map_runs_again() -> None:
     run = _script()
-    base = {
-        "package": {"xarray_gds/a.py": "1", "xarray_gds/b.py": "1", "pyproject.toml": "1"},
-        "tests": {f"tests/test_{n}.py": "1" for n in "abcdef"} | {"tests/conftest.py": "1"},
+    package = {"xarray_gds/a.py": "1", "xarray_gds/b.py": "1", "pyproject.toml": "1"}
+    tests = {f"tests/test_{n}.py": "1" for n in "abcdef"} | {"tests/conftest.py": "1"}
+    base: dict[str, Any] = {
+        "package": dict(package),
+        "tests": dict(tests),
         "map": {
             "xarray_gds/a.py": {"1": ["", "tests/test_a.py::t"]},
             "xarray_gds/b.py": {"3": ["tests/test_b.py::t", "tests/test_c.py::t[1]"]},
         },
     }
-    package, tests = dict(base["package"]), dict(base["tests"])
     assert run.since(base, package, tests) == (frozenset(), set())
     # a test file changed: it alone
     assert run.since(base, package, {**tests, "tests/test_f.py": "2"}) == (
