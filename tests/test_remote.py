@@ -1125,7 +1125,9 @@ def test_a_listing_of_100_objects_asks_for_one_page(s3, monkeypatch):
     -> ``~len(keys)``, ``// 100`` -> ``// 99``, ``*`` -> ``|`` or ``^``): 100 objects wanted
     are one page's worth and the 101st makes two, through s3fs and through obstore alike;
     with pages of 40 objects the listing of 100 stops after the first 40, that of 101
-    after the first 80."""
+    after the first 80; with pages of 1,000 the listing of 101 ends within its two pages
+    (``except StopAsyncIteration`` in obstore's) and is whole, and a listing of a
+    directory with no object in it is whole and empty (``return True`` there)."""
     from zarr.storage import FsspecStore
 
     from xarray_gds.backend import open_store
@@ -1137,17 +1139,25 @@ def test_a_listing_of_100_objects_asks_for_one_page(s3, monkeypatch):
     fs = s3fs.S3FileSystem(**s3)
     keys = sorted(k[len(url) - 5 + 1 :] for k in fs.find(f"{url[5:]}/m/c"))
     assert len(keys) == 101
-    monkeypatch.setattr(listings, "LIST_PAGE", 40)
     for store in (
         FsspecStore.from_url(url, storage_options=s3, read_only=True),
         open_store(url, storage_options=s3),
     ):
+        # two pages allowed, one page of objects there: the listing is whole
+        none = [f"n/c/{i}" for i in range(listings.LIST_MIN_KEYS)]  # no object there
+        empty = listings.list_sizes(store, none)
+        assert empty is not None and empty.sizes == {} and all(map(empty.missing, none))
+        whole = listings.list_sizes(store, [*keys, "m/c/999"])  # the last one absent
+        assert whole is not None and sorted(whole.sizes) == keys
+        assert whole.complete_to == "m/c/999" and whole.missing("m/c/999")
+        monkeypatch.setattr(listings, "LIST_PAGE", 40)
         one = listings.list_sizes(store, keys[:100])
         assert one is not None and sorted(one.sizes) == keys[:40]
         assert one.complete_to == keys[39]
         two = listings.list_sizes(store, keys)
         assert two is not None and sorted(two.sizes) == keys[:80]
         assert two.complete_to == keys[79]
+        monkeypatch.setattr(listings, "LIST_PAGE", 1000)
 
 
 def test_a_listing_of_a_store_at_the_root_of_its_bucket(s3):
