@@ -1,6 +1,5 @@
 """Any other zarr Store (``stores/generic.py``): URLs no other kind opens written
-through fsspec with the caller's options, byte ranges that must come back whole, and
-a memory store's one writer at a time."""
+through fsspec with the caller's options, and byte ranges that must come back whole."""
 
 from __future__ import annotations
 
@@ -70,22 +69,3 @@ def test_a_range_read_comes_back_whole_or_raises_naming_the_key() -> None:
     with pytest.raises(OSError, match=r"got 7 of the 5 bytes at 4;"):
         _exactly(longer, "v/c/0", RangeByteRequest(4, 9))
     assert bytes(_exactly(longer, "v/c/0", RangeByteRequest(3, 10))) == bytes(7)
-
-
-def test_a_memory_store_is_written_by_one_writer_at_a_time() -> None:
-    """The memory kind locks (so the conformance suite checks its lock): a second writer
-    of the same store, or of a copy of it, waits and then times out naming it."""
-    store = MemoryStore()
-    source = stores.source_for(store)
-    assert source.locking
-    lock = source.writer_lock(0.0)
-    assert lock is not None
-    try:
-        for other in (store, store.with_read_only(False)):
-            with pytest.raises(TimeoutError, match="being written by another writer"):
-                stores.source_for(other).writer_lock(0.0)
-    finally:
-        lock.release()
-    again = stores.source_for(store).writer_lock(0.0)
-    assert again is not None
-    again.release()

@@ -319,12 +319,16 @@ def test_a_fifth_kind_joins_the_registry(tmp_path: Path) -> None:
 
 
 def test_memory_lock_excludes_a_second_writer() -> None:
+    """A memory store's writers, and those of a copy of it, one at a time; the kind
+    says it locks (so the conformance suite checks its lock)."""
     store = MemoryStore()
+    assert stores.source_for(store).locking
     first = stores.source_for(store).writer_lock(1)
     assert first is not None
     try:
-        with pytest.raises(TimeoutError, match="another writer"):
-            stores.source_for(store).writer_lock(0.05)
+        for other in (store, store.with_read_only(False)):
+            with pytest.raises(TimeoutError, match="another writer"):
+                stores.source_for(other).writer_lock(0.05)
     finally:
         first.release()
     again = stores.source_for(store).writer_lock(0.05)
