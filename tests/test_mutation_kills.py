@@ -1143,23 +1143,7 @@ def test_a_shard_file_shorter_than_its_index_is_named(tmp_path: Path) -> None:
     for location in ("end", "start"):
         for index_codecs in ([zc.BytesCodec(), zc.Crc32cCodec()], [zc.BytesCodec()]):
             path = tmp_path / f"{location}-{len(index_codecs)}.zarr"
-            sharding = zc.ShardingCodec(
-                chunk_shape=(2, 3),
-                codecs=[zc.BytesCodec(), zc.ZstdCodec()],
-                index_codecs=index_codecs,
-                index_location=location,
-            )
-            group = zarr.open_group(path, mode="w", zarr_format=3)
-            array = group.create_array(
-                "v",
-                shape=(8, 12),
-                dtype="f8",
-                chunks=(4, 6),
-                serializer=sharding,
-                compressors=None,
-                dimension_names=["r", "c"],
-            )
-            array[:] = np.arange(96.0).reshape(8, 12)
+            _sharded_grid(path, location, index_codecs)
             (path / "v" / "c" / "1" / "0").write_bytes(b"0123456789")
             expected = 4 * 16 + 4 * (len(index_codecs) - 1)  # 4 inner chunks, the CRC
             ds = xr.open_dataset(path, engine="gds-zarr", device="cpu", consolidated=False)
@@ -1171,15 +1155,16 @@ def test_a_shard_file_shorter_than_its_index_is_named(tmp_path: Path) -> None:
             )
 
 
-def _sharded_grid(path: Path, location: str) -> Path:
+def _sharded_grid(path: Path, location: str, index_codecs: list[Any] | None = None) -> Path:
     """``v`` (8 x 12 float64, 0..95) in inner chunks of 2 x 3, shards of 4 x 6 (4 inner
-    chunks each), the shard index (with its CRC-32C) at ``location``."""
+    chunks each), the shard index at ``location`` (with its CRC-32C, unless
+    ``index_codecs`` say otherwise)."""
     import zarr.codecs as zc
 
     sharding = zc.ShardingCodec(
         chunk_shape=(2, 3),
         codecs=[zc.BytesCodec(), zc.ZstdCodec()],
-        index_codecs=[zc.BytesCodec(), zc.Crc32cCodec()],
+        index_codecs=index_codecs or [zc.BytesCodec(), zc.Crc32cCodec()],
         index_location=location,
     )
     group = zarr.open_group(path, mode="w", zarr_format=3)
