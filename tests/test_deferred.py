@@ -9,6 +9,7 @@ never data."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 from pathlib import Path
@@ -375,3 +376,122 @@ def test_a_failed_threaded_dask_write_keeps_what_was_below_a_new_array(
     xr.testing.assert_identical(
         xr.open_dataset(root, engine="zarr").load(), xr.Dataset({"a": (("x",), np.arange(8.0))})
     )
+
+
+class _Logged(zarr.storage.MemoryStore):
+    """A memory store that logs the start and end of each metadata write, and whose
+    writes of ``together`` each wait (bounded) until all of them have begun: a flush
+    that wrote them one after the other would time out there."""
+
+    def __init__(self, together: tuple[str, ...] = (), fail: str | None = None) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str]] = []
+        self.together = together
+        self.fail = fail
+        self.begun: set[str] = set()
+        self.all_begun: asyncio.Event | None = None
+        self.failed: asyncio.Event | None = None
+        self.since_failure: asyncio.Event | None = None
+
+    async def set(self, key: str, value: Any) -> None:
+        if not key.endswith(("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")):
+            return await super().set(key, value)
+        self.log.append(("start", key))
+        if self.all_begun is None:
+            self.all_begun, self.failed = asyncio.Event(), asyncio.Event()
+            self.since_failure = asyncio.Event()
+        assert self.failed is not None and self.since_failure is not None
+        if key in self.together:
+            self.begun.add(key)
+            if self.begun >= set(self.together):
+                self.all_begun.set()
+            await asyncio.wait_for(self.all_begun.wait(), 10)
+        if key == self.fail and not self.failed.is_set():  # once: putting back succeeds
+            self.failed.set()
+            self.log.append(("failed", key))
+            raise OSError(f"injected failure writing {key}")
+        late = self.fail is not None and key in self.together and not self.failed.is_set()
+        if late:
+            # lands only after the other write of its tier failed, and after a write
+            # made since ends (a flush that puts back before every write of the tier
+            # ended would have its put-back overwritten), or a second later (one that
+            # waits, as it must)
+            await asyncio.wait_for(self.failed.wait(), 10)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.since_failure.wait(), 1)
+        await super().set(key, value)
+        self.log.append(("end", key))
+        if not late and self.failed.is_set():
+            self.since_failure.set()
+
+
+def _held(inner: Any, keys: list[str], value: bytes = ARRAY_META) -> HeldMetadataStore:
+    store = HeldMetadataStore(inner)
+    for key in keys:
+        sync(store.set(key, _buffer(value)))
+    return store
+
+
+def test_a_flush_writes_deeper_documents_first_and_a_tier_together() -> None:
+    """Arrays' documents before their groups', the root's before Zarr v2's
+    ``.zmetadata``: each tier ends before the next begins, and the documents of one
+    tier are written together (each of ``a`` and ``b`` waits for the other to begin)."""
+    docs = ["g/a/zarr.json", "g/b/zarr.json", "g/zarr.json", "zarr.json", ".zmetadata"]
+    inner = _Logged(together=("g/a/zarr.json", "g/b/zarr.json"))
+    store = _held(inner, docs)
+    assert inner.log == []  # held until the flush
+    store.flush()
+    tiers = [{"g/a/zarr.json", "g/b/zarr.json"}, {"g/zarr.json"}, {"zarr.json"}, {".zmetadata"}]
+    events = [(e, k) for e, k in inner.log]
+    at = 0
+    for tier in tiers:
+        mine = events[at : at + 2 * len(tier)]
+        assert {k for _, k in mine} == tier
+        assert sorted(e for e, _ in mine) == ["end"] * len(tier) + ["start"] * len(tier)
+        at += 2 * len(tier)
+    assert at == len(events)
+    for key in docs:
+        assert inner._store_dict[key].to_bytes() == ARRAY_META
+
+
+def test_a_failed_write_in_a_tier_puts_back_the_tier_once_every_write_ended() -> None:
+    """One document of a tier fails while the other of the same tier is still being
+    written (it lands only after the failure): the flush waits for it before putting
+    the old documents back, so both end as they were before the write, and the next
+    tier is never begun."""
+    old = b'{"zarr_format": 3, "node_type": "array", "old": true}'
+    inner = _Logged()
+    for key in ("a/zarr.json", "b/zarr.json", "zarr.json"):
+        sync(inner.set(key, _buffer(old)))
+    inner.log.clear()
+    inner.together, inner.fail = ("a/zarr.json", "b/zarr.json"), "a/zarr.json"
+    store = _held(inner, ["a/zarr.json", "b/zarr.json", "zarr.json"])
+    with pytest.raises(OSError, match=r"injected failure writing a/zarr\.json"):
+        store.flush()
+    assert ("end", "b/zarr.json") in inner.log  # the late write landed, then was put back
+    assert ("start", "zarr.json") not in inner.log[: inner.log.index(("end", "b/zarr.json"))]
+    for key in ("a/zarr.json", "b/zarr.json", "zarr.json"):
+        assert inner._store_dict[key].to_bytes() == old
+
+
+def test_a_flush_reads_the_old_documents_in_one_round_trip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flush of many documents costs one trip through zarr's event loop to read the
+    old ones and one a tier to write (a loop of small appends pays it at every call)."""
+    from xarray_gds import deferred
+
+    docs = [f"v{i}/zarr.json" for i in range(6)] + ["zarr.json"]
+    store = _held(zarr.storage.MemoryStore(), docs)
+    trips: list[str] = []
+    real = deferred.sync
+
+    def counted(coro: Any, *args: Any, **kwargs: Any) -> Any:
+        trips.append(getattr(coro, "__qualname__", str(coro)))
+        return real(coro, *args, **kwargs)
+
+    monkeypatch.setattr(deferred, "sync", counted)
+    store.flush()
+    assert len(trips) == 3, trips  # the reads, the arrays' tier, the root
+    got = sync(zarr.storage.MemoryStore.get(store.store, "v5/zarr.json", cpu.buffer_prototype))
+    assert got is not None and got.to_bytes() == ARRAY_META

@@ -8,7 +8,9 @@ zarr writes them, each in one ``set`` (a file renamed into place; one PUT on S3:
 whole or not at all). The metadata documents (``zarr.json``, ``.zarray``, ``.zattrs``,
 ``.zgroup``, ``.zmetadata``) are held in memory, served to the reads, listings and
 existence checks of the write, and written at the end, after every chunk write still
-running, arrays before their groups and consolidated metadata last.
+running, arrays before their groups and consolidated metadata last: one level of
+the hierarchy at a time, the documents of a level together (one trip through zarr's
+event loop a level, and one to read the documents they replace).
 
 The write holds the store's writer lock (:mod:`xarray_gds.stores.lock`: local directories
 and memory stores) from the wrapper's making to its end, so a second writer of the
@@ -115,6 +117,17 @@ def _is_array_metadata(key: str, value: Buffer) -> bool:
         return False
 
 
+def _tiers(keys: Iterable[str]) -> list[list[str]]:
+    """The metadata ``keys`` in the order a flush writes them: tiers written one after
+    the other, the deepest documents first (an array's before its group's), the
+    consolidated ``.zmetadata`` of Zarr v2 after the root's; the documents of one tier
+    are written together."""
+    tiers: dict[tuple[int, bool], list[str]] = {}
+    for key in sorted(keys):
+        tiers.setdefault((-key.count("/"), key == ".zmetadata"), []).append(key)
+    return [tiers[t] for t in sorted(tiers)]
+
+
 class HeldMetadataStore(WrapperStore[Store]):
     """A zarr :class:`~zarr.storage.WrapperStore` over ``store`` whose metadata writes
     are held until :meth:`flush` (see the module). Chunk reads and writes go to
@@ -178,13 +191,13 @@ class HeldMetadataStore(WrapperStore[Store]):
         write = self._write
         try:
             keys = self._end(failed=False)
-            order = sorted(keys, key=lambda k: (-k.count("/"), k == ".zmetadata", k))
-            before = {k: self._get_bytes(k) for k in order}
+            tiers = _tiers(keys)
+            before = self._get_all([k for tier in tiers for k in tier])
             done: list[str] = []
             try:
-                for key in order:
-                    done.append(key)  # the failing write too: it may have landed
-                    sync(self._store.set(key, keys[key]))
+                for tier in tiers:
+                    done.extend(tier)  # the failing writes too: they may have landed
+                    sync(self._set_tier({k: keys[k] for k in tier}))
             except BaseException as err:
                 with write.cond:
                     write.failed = True
@@ -200,7 +213,7 @@ class HeldMetadataStore(WrapperStore[Store]):
         for which, by kind of store), and give the writer lock back."""
         try:
             keys = self._end(failed=True)
-            self._remove_created(keys, {k: self._get_bytes(k) for k in keys})
+            self._remove_created(keys, self._get_all(list(keys)))
         finally:
             self._release()
 
@@ -222,9 +235,28 @@ class HeldMetadataStore(WrapperStore[Store]):
         if writer is not None:
             writer.release()
 
-    def _get_bytes(self, key: str) -> bytes | None:
-        got = sync(self._store.get(key, default_buffer_prototype()))
-        return None if got is None else got.to_bytes()
+    def _get_all(self, keys: list[str]) -> dict[str, bytes | None]:
+        """The documents ``keys`` as the store holds them (``None``: absent), read
+        together: one round trip through zarr's event loop, not one a key."""
+
+        async def one(key: str) -> bytes | None:
+            got = await self._store.get(key, default_buffer_prototype())
+            return None if got is None else got.to_bytes()
+
+        async def every() -> list[bytes | None]:
+            return await asyncio.gather(*(one(k) for k in keys))
+
+        return dict(zip(keys, sync(every()), strict=True))
+
+    async def _set_tier(self, values: dict[str, Buffer]) -> None:
+        """Write the documents of one tier together; every write has ended (landed or
+        failed) when this returns, and the first failure is raised."""
+        outcomes = await asyncio.gather(
+            *(self._store.set(k, v) for k, v in values.items()), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def _put_back(
         self, keys: list[str], before: dict[str, bytes | None], err: BaseException
