@@ -9,6 +9,7 @@ never data."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import shutil
 import threading
@@ -495,3 +496,40 @@ def test_a_flush_reads_the_old_documents_in_one_round_trip(
     assert len(trips) == 3, trips  # the reads, the arrays' tier, the root
     got = sync(zarr.storage.MemoryStore.get(store.store, "v5/zarr.json", cpu.buffer_prototype))
     assert got is not None and got.to_bytes() == ARRAY_META
+
+
+class _Cancelled(zarr.storage.MemoryStore):
+    """A memory store whose write of ``a/zarr.json`` ends cancelled (a BaseException,
+    which ``asyncio.gather(..., return_exceptions=True)`` hands back as a result)."""
+
+    async def set(self, key: str, value: Any) -> None:
+        if key == "a/zarr.json":
+            raise asyncio.CancelledError
+        await super().set(key, value)
+
+
+def test_a_cancelled_metadata_write_fails_the_flush_and_puts_the_tier_back() -> None:
+    """A document write that ends cancelled is a failed flush, not a written one: the
+    flush raises, the tier's other document is put back as it was (absent), and the
+    root's document, a tier later, is never written."""
+    inner = _Cancelled()
+    store = _held(inner, ["a/zarr.json", "b/zarr.json", "zarr.json"])
+    with pytest.raises(BaseException) as err:
+        store.flush()
+    assert isinstance(err.value, asyncio.CancelledError | concurrent.futures.CancelledError)
+    assert sorted(inner._store_dict) == []
+
+
+def test_a_discarded_write_keeps_the_chunks_of_an_array_it_rewrote() -> None:
+    """A failed append holds the existing array's document first, replaces one of its
+    chunks and creates another: the discard deletes only the chunk it created, the
+    array's other chunk (existing before the write) stays, and so does its document."""
+    inner = zarr.storage.MemoryStore()
+    sync(inner.set("q/zarr.json", _buffer(ARRAY_META)))
+    sync(inner.set("q/c/0", _buffer(b"old")))
+    store = _held(inner, ["q/zarr.json"])
+    sync(store.set("q/c/0", _buffer(b"new")))  # replaced
+    sync(store.set("q/c/1", _buffer(b"more")))  # created
+    store.discard()
+    assert sorted(inner._store_dict) == ["q/c/0", "q/zarr.json"]
+    assert inner._store_dict["q/zarr.json"].to_bytes() == ARRAY_META
