@@ -329,3 +329,29 @@ def test_a_waiter_on_a_removed_lock_file_takes_the_new_one(tmp_path: Path) -> No
             lock.release()
     assert not lock_path(path).exists()
     FileLock(lock_path(path), "s").acquire(0.0).release()
+
+
+@pytest.mark.parametrize("side", ["smaller", "larger"])
+def test_a_holder_never_removes_a_lock_file_that_is_not_its_own(tmp_path: Path, side: str) -> None:
+    """A holder whose lock file was replaced at its path (removed by hand, and another
+    writer's made there) gives its lock back without removing the other writer's file,
+    whether the other file's inode number is smaller or larger than its own (the check
+    compares files by device and inode, for equality only)."""
+    from xarray_gds.stores.lock import FileLock
+
+    path = tmp_path / "s.zarr"
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    made = [spare / f"before{i}" for i in range(40)]  # mostly smaller inode numbers
+    for f in made:
+        f.write_text(f"{f.name}\n")
+    lock = FileLock(lock_path(path), "s").acquire(0.0)
+    held = lock_path(path).stat().st_ino
+    made += [spare / f"after{i}" for i in range(40)]  # mostly larger ones
+    for f in made[40:]:
+        f.write_text(f"{f.name}\n")
+    wanted = (lambda ino: ino < held) if side == "smaller" else (lambda ino: ino > held)
+    other = next(f for f in made if wanted(f.stat().st_ino))
+    os.replace(other, lock_path(path))  # another writer's file now at the path
+    lock.release()
+    assert lock_path(path).read_text() == f"{other.name}\n"
