@@ -355,3 +355,37 @@ def test_a_holder_never_removes_a_lock_file_that_is_not_its_own(tmp_path: Path, 
     os.replace(other, lock_path(path))  # another writer's file now at the path
     lock.release()
     assert lock_path(path).read_text() == f"{other.name}\n"
+
+
+def test_a_writer_waits_the_whole_lock_timeout_before_it_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second writer polls the held lock for ``timeout`` seconds (on the lock's clock,
+    here a fake one that each sleep advances), then fails: not at once, and not later
+    than the timeout and one poll interval."""
+    import types
+
+    from xarray_gds.stores import lock as lock_module
+    from xarray_gds.stores.lock import FileLock
+
+    now = [5000.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    clock = types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep)
+    path = tmp_path / "s.zarr"
+    first = FileLock(lock_path(path), "s").acquire(0.0)
+    monkeypatch.setattr(lock_module, "time", clock)
+    try:
+        for timeout in (0.25, 0.75, 3.0):
+            start = now[0]
+            with pytest.raises(TimeoutError, match=f"waited {timeout} s"):
+                FileLock(lock_path(path), "s").acquire(timeout)
+            assert now[0] - start == pytest.approx(timeout)
+            assert max(slept) <= 0.05
+    finally:
+        monkeypatch.undo()
+        first.release()
