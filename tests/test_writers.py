@@ -389,3 +389,21 @@ def test_a_writer_waits_the_whole_lock_timeout_before_it_fails(
     finally:
         monkeypatch.undo()
         first.release()
+
+
+def test_the_lock_of_a_store_in_new_directories_is_taken(tmp_path: Path) -> None:
+    """A write to a store whose parent directories do not exist yet makes them and
+    takes its lock there (no warning that it writes without one)."""
+    from xarray_gds.stores.lock import FileLock
+
+    path = tmp_path / "new" / "deeper" / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lock = FileLock(lock_path(path), "s").acquire(0.0)
+    try:
+        assert lock_path(path).is_file()
+        with pytest.raises(TimeoutError, match="another writer"):
+            FileLock(lock_path(path), "s").acquire(0.0)
+    finally:
+        lock.release()
+    assert not lock_path(path).exists()
