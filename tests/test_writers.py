@@ -407,3 +407,26 @@ def test_the_lock_of_a_store_in_new_directories_is_taken(tmp_path: Path) -> None
     finally:
         lock.release()
     assert not lock_path(path).exists()
+
+
+def test_a_timed_out_writer_quotes_the_holder_line(tmp_path: Path) -> None:
+    """The error of a writer that timed out quotes the holder's line as the lock file
+    has it, without its newline; a lock file whose text is not UTF-8 (damaged, or
+    written by another program) is quoted with replacement characters, not a
+    UnicodeDecodeError."""
+    import socket
+
+    from xarray_gds.stores.lock import FileLock
+
+    path = tmp_path / "s.zarr"
+    first = FileLock(lock_path(path), "s").acquire(0.0)
+    try:
+        with pytest.raises(TimeoutError) as info:
+            FileLock(lock_path(path), "s").acquire(0.0)
+        assert f"(pid {os.getpid()} on {socket.gethostname()})" in str(info.value)
+        lock_path(path).write_bytes(b"pid 7 on \xff\xfehost\n")
+        with pytest.raises(TimeoutError) as info:
+            FileLock(lock_path(path), "s").acquire(0.0)
+        assert "(pid 7 on \ufffd\ufffdhost)" in str(info.value)
+    finally:
+        first.release()
