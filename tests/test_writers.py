@@ -430,3 +430,26 @@ def test_a_timed_out_writer_quotes_the_holder_line(tmp_path: Path) -> None:
         assert "(pid 7 on \ufffd\ufffdhost)" in str(info.value)
     finally:
         first.release()
+
+
+def test_a_writer_replaces_a_stale_holder_line_and_leaks_no_descriptor(tmp_path: Path) -> None:
+    """A lock file left by a killed writer, with a longer line than this writer's, holds
+    exactly this writer's line once it has the lock; a writer that timed out leaves no
+    descriptor of the lock file open."""
+    import socket
+
+    from xarray_gds.stores.lock import FileLock
+
+    path = tmp_path / "s.zarr"
+    path.mkdir()
+    lock_path(path).write_text("pid 99999999 on a-host-with-a-rather-long-name.example.org\n")
+    first = FileLock(lock_path(path), "s").acquire(0.0)
+    try:
+        assert lock_path(path).read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+        fds = sorted(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                FileLock(lock_path(path), "s").acquire(0.0)
+        assert sorted(os.listdir("/proc/self/fd")) == fds
+    finally:
+        first.release()
