@@ -453,3 +453,39 @@ def test_a_writer_replaces_a_stale_holder_line_and_leaks_no_descriptor(tmp_path:
         assert sorted(os.listdir("/proc/self/fd")) == fds
     finally:
         first.release()
+
+
+def test_a_writer_whose_lock_file_was_replaced_takes_the_new_one_and_closes_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that opened the lock file just before its holder removed it (and another
+    file was made at the path) finds, once it has the ``flock``, that the path names
+    another file: it closes the old descriptor, takes the new file and holds it."""
+    import fcntl
+
+    from xarray_gds.stores.lock import FileLock
+
+    path = tmp_path / "s.zarr"
+    path.mkdir()
+    real = fcntl.flock
+    replaced: list[int] = []
+
+    def flock(fd: int, op: int) -> None:
+        if not replaced:  # the first flock: the file is replaced before it is taken
+            replaced.append(fd)
+            lock_path(path).unlink()
+            lock_path(path).write_text("made by another writer\n")
+        real(fd, op)
+
+    fds = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(fcntl, "flock", flock)
+    lock = FileLock(lock_path(path), "s").acquire(0.0)
+    monkeypatch.undo()
+    assert replaced
+    try:
+        assert lock._fd is not None
+        assert os.fstat(lock._fd).st_ino == lock_path(path).stat().st_ino  # the new file
+        assert len(os.listdir("/proc/self/fd")) == len(fds) + 1  # the old one is closed
+    finally:
+        lock.release()
+    assert sorted(os.listdir("/proc/self/fd")) == fds
