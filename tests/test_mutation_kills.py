@@ -1360,3 +1360,44 @@ def test_a_shard_that_vanishes_while_it_is_read_is_named(
         array[rows, :6]
     assert err.value.key == "v/c/1/0 (inner chunk (0, 0))"
     assert "the shard vanished while it was read" in str(err.value)
+
+
+class _WrongLengthRanges(zarr.storage.MemoryStore):
+    """A store whose range reads come back ``extra`` bytes longer (or shorter, when
+    negative) than asked for, as a server that ignores or cuts a Range request."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.extra = extra
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        from zarr.abc.store import RangeByteRequest
+
+        if isinstance(byte_range, RangeByteRequest):
+            byte_range = RangeByteRequest(byte_range.start, byte_range.end + self.extra)
+        return await super().get(key, prototype, byte_range)
+
+
+@pytest.mark.parametrize("extra", [-2, 3], ids=["shorter", "longer"])
+def test_a_range_of_another_length_than_asked_is_an_error(extra: int) -> None:
+    """stores/remote_host ``if size is not None and data.size != size`` -> ``<``, and
+    ``raise ShortBody(...)`` -> ``raise "..."``: a range read of a remote store that
+    comes back shorter or longer than asked for is an error naming the chunk key and
+    both lengths, never data."""
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.remote_host import read_host
+
+    store = _WrongLengthRanges(extra)
+    sync(store.set("v/c/0", cpu.Buffer.from_bytes(bytes(range(16)))))
+    ranges = (np.array([4]), np.array([6]))
+    with pytest.raises(OSError) as err:
+        read_host([store], ["v/c/0"], ranges, attempts=1)
+    assert type(err.value) is OSError
+    message = str(err.value)
+    assert "cannot read chunk 'v/c/0'" in message
+    assert f"{6 + extra} of the 6 bytes asked for came" in message
+    store.extra = 0
+    (got,) = read_host([store], ["v/c/0"], ranges, attempts=1)
+    assert got is not None and got.tolist() == list(range(4, 10))
