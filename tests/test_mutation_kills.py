@@ -1401,3 +1401,31 @@ def test_a_range_of_another_length_than_asked_is_an_error(extra: int) -> None:
     store.extra = 0
     (got,) = read_host([store], ["v/c/0"], ranges, attempts=1)
     assert got is not None and got.tolist() == list(range(4, 10))
+
+
+class _FailingS3Like(zarr.storage.MemoryStore):
+    """A store whose filesystem says it is S3 (s3fs retries transient faults itself)
+    and whose every read fails with a transient fault; counts the reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import types
+
+        self.fs = types.SimpleNamespace(protocol=("s3", "s3a"))
+        self.reads = 0
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        self.reads += 1
+        raise ConnectionError("connection reset by peer")
+
+
+def test_a_store_that_retries_itself_is_read_once() -> None:
+    """stores/remote_host ``tries = 1 if retries_itself(...)`` -> ``2``: a read through a
+    filesystem that retries transient faults itself (s3fs) is not tried again on top of
+    its own tries: one read, then the error naming the chunk."""
+    from xarray_gds.stores.remote_host import read_host
+
+    store = _FailingS3Like()
+    with pytest.raises(ConnectionError, match=r"cannot read chunk 'v/c/0'"):
+        read_host([store], ["v/c/0"], attempts=3)
+    assert store.reads == 1
