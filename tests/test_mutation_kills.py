@@ -1429,3 +1429,156 @@ def test_a_store_that_retries_itself_is_read_once() -> None:
     with pytest.raises(ConnectionError, match=r"cannot read chunk 'v/c/0'"):
         read_host([store], ["v/c/0"], attempts=3)
     assert store.reads == 1
+
+
+class _Flaky(zarr.storage.MemoryStore):
+    """A remote-like store (its filesystem says https, with a secret in its storage
+    options) whose first ``fails`` reads fail with a transient fault whose text holds
+    the secret; each read is counted, and ``in_flight`` records how many overlap."""
+
+    SECRET = "s3cr3t-token-value"
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        import types
+
+        self.fs = types.SimpleNamespace(protocol="https", storage_options={"token": self.SECRET})
+        self.fails = fails
+        self.reads = 0
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        self.reads += 1
+        if self.reads <= self.fails:
+            raise ConnectionError(f"reset by peer (token={self.SECRET})")
+        return await super().get(key, prototype, byte_range)
+
+
+def _flaky(fails: int) -> _Flaky:
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    store = _Flaky(fails)
+    sync(store.set("v/c/0", cpu.Buffer.from_bytes(b"chunk")))
+    return store
+
+
+@pytest.fixture
+def backoffs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The backoffs remote_host waits between tries (recorded, not waited)."""
+    import asyncio
+    import types
+
+    from xarray_gds.stores import remote_host
+
+    waited: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waited.append(seconds)
+
+    fake = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio)})
+    fake.sleep = sleep
+    monkeypatch.setattr(remote_host, "asyncio", fake)
+    return waited
+
+
+@pytest.mark.parametrize(("attempts", "fails"), [(0, 0), (1, 1), (3, 2), (3, 3)])
+def test_a_remote_read_is_tried_exactly_attempts_times(
+    attempts: int, fails: int, backoffs: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    """stores/remote_host ``max(1, attempts)`` -> ``max(0, ...)`` / ``max(2, ...)``,
+    ``range(1, tries + 1)`` -> ``range(0, ...)``, and the backoff
+    ``BACKOFF[min(n, len(BACKOFF)) - 1]`` (dropped, or another index): a read that
+    fails with a transient fault is tried ``attempts`` times in all (once for 0), with
+    the backoffs in order between the tries, each retry logged at DEBUG with the
+    store's secrets masked; it returns the bytes once a try succeeds, or raises the
+    error naming the chunk after the last."""
+    import logging
+
+    from xarray_gds.stores.remote_host import read_host
+    from xarray_gds.stores.urls import BACKOFF
+
+    store = _flaky(fails)
+    tries = max(1, attempts)
+    caplog.set_level(logging.DEBUG, logger="xarray_gds.stores.remote")
+    if fails >= tries:
+        with pytest.raises(ConnectionError, match=r"cannot read chunk 'v/c/0'"):
+            read_host([store], ["v/c/0"], attempts=attempts)
+    else:
+        (got,) = read_host([store], ["v/c/0"], attempts=attempts)
+        assert got is not None and got.tobytes() == b"chunk"
+    assert store.reads == min(fails + 1, tries)
+    retried = min(fails, tries - 1)
+    assert backoffs == [BACKOFF[min(n, len(BACKOFF)) - 1] for n in range(1, retried + 1)]
+    logged = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(logged) == retried
+    for line in logged:
+        assert _Flaky.SECRET not in line and "token=***" in line
+
+
+@pytest.mark.parametrize("concurrency", [2, None])
+def test_remote_reads_in_flight_are_bounded_by_zarrs_concurrency(
+    concurrency: int | None,
+) -> None:
+    """stores/remote_host ``_concurrency``: at most zarr's ``async.concurrency`` reads of
+    a batch are in flight at once (each read here waits until that many have begun, so
+    fewer would fail); with no limit set, every read of the batch is."""
+    import asyncio
+
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.remote_host import read_host
+
+    keys = [f"v/c/{i}" for i in range(6)]
+    limit = concurrency or len(keys)
+
+    class Counted(zarr.storage.MemoryStore):
+        now = 0
+        most = 0
+        full: asyncio.Event | None = None
+
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if self.full is None:
+                type(self).full = asyncio.Event()
+            assert self.full is not None
+            type(self).now += 1
+            type(self).most = max(self.most, self.now)
+            if self.now >= limit:
+                self.full.set()
+            await asyncio.wait_for(self.full.wait(), 10)
+            await asyncio.sleep(0)
+            type(self).now -= 1
+            return await super().get(key, prototype, byte_range)
+
+    store = Counted()
+    for i, key in enumerate(keys):
+        sync(store.set(key, cpu.Buffer.from_bytes(bytes([i]))))
+    with zarr.config.set({"async.concurrency": concurrency}):
+        got = read_host([store] * len(keys), keys, attempts=1)
+    assert [g.tolist() for g in got if g is not None] == [[i] for i in range(len(keys))]
+    assert Counted.most == limit
+
+
+def test_the_first_read_that_fails_for_good_is_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """stores/remote_host ``first = errors.exceptions[0]`` -> ``pass``: when one read of a
+    batch fails for good while another is still waiting, the error raised is that
+    read's (naming its chunk), not the cancellation of the other."""
+    import asyncio
+
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.remote_host import read_host
+
+    class OneFails(zarr.storage.MemoryStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if key == "v/c/1":
+                raise PermissionError("403 Forbidden")
+            await asyncio.Event().wait()  # never answers: cancelled by the failure
+
+    store = OneFails()
+    sync(store.set("v/c/0", cpu.Buffer.from_bytes(b"x")))
+    with pytest.raises(PermissionError, match=r"cannot read chunk 'v/c/1'"):
+        read_host([store, store], ["v/c/0", "v/c/1"], attempts=1)
