@@ -1515,19 +1515,33 @@ def test_a_remote_read_is_tried_exactly_attempts_times(
         assert _Flaky.SECRET not in line and "token=***" in line
 
 
+def _streamed(stores: list[Any], keys: list[str], attempts: int) -> list[Any]:
+    from xarray_gds.stores.remote_host import HostStream
+
+    stream = HostStream(stores, keys)
+    try:
+        return [stream.get(i) for i in range(len(keys))]
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("how", ["read_host", "HostStream"])
 @pytest.mark.parametrize("concurrency", [2, None])
 def test_remote_reads_in_flight_are_bounded_by_zarrs_concurrency(
-    concurrency: int | None,
+    concurrency: int | None, how: str
 ) -> None:
-    """stores/remote_host ``_concurrency``: at most zarr's ``async.concurrency`` reads of
-    a batch are in flight at once (each read here waits until that many have begun, so
-    fewer would fail); with no limit set, every read of the batch is."""
+    """stores/remote_host ``_concurrency`` (and its use by ``read_host`` and
+    ``HostStream``): at most zarr's ``async.concurrency`` reads of a batch are in
+    flight at once (each read here waits until that many have begun, so fewer would
+    fail); with no limit set, every read of the batch is."""
     import asyncio
 
     from zarr.core.buffer import cpu
     from zarr.core.sync import sync
 
     from xarray_gds.stores.remote_host import read_host
+
+    reader = read_host if how == "read_host" else _streamed
 
     keys = [f"v/c/{i}" for i in range(6)]
     limit = concurrency or len(keys)
@@ -1554,9 +1568,47 @@ def test_remote_reads_in_flight_are_bounded_by_zarrs_concurrency(
     for i, key in enumerate(keys):
         sync(store.set(key, cpu.Buffer.from_bytes(bytes([i]))))
     with zarr.config.set({"async.concurrency": concurrency}):
-        got = read_host([store] * len(keys), keys, attempts=1)
+        got = reader([store] * len(keys), keys, attempts=1)
     assert [g.tolist() for g in got if g is not None] == [[i] for i in range(len(keys))]
     assert Counted.most == limit
+
+
+def test_a_closed_host_stream_cancels_the_reads_left() -> None:
+    """stores/remote_host ``HostStream.close``: closing a stream cancels the reads still
+    going: an item not read yet then raises at once instead of waiting for a server
+    that never answers."""
+    import asyncio
+
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    from xarray_gds.stores.remote_host import HostStream
+
+    class Stalls(zarr.storage.MemoryStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if key == "v/c/1":
+                await asyncio.Event().wait()  # never answers
+            return await super().get(key, prototype, byte_range)
+
+    store = Stalls()
+    sync(store.set("v/c/0", cpu.Buffer.from_bytes(b"first")))
+    stream = HostStream([store, store], ["v/c/0", "v/c/1"])
+    first = stream.get(0)
+    assert first is not None and first.tobytes() == b"first"
+    stream.close()
+    outcome: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            stream.get(1)
+        except BaseException as err:
+            outcome.append(err)
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError), outcome
+    assert "cancelled" in str(outcome[0])
 
 
 def test_the_first_read_that_fails_for_good_is_the_error(
