@@ -140,6 +140,7 @@ MIB = 1 << 20
         (1000, MIB, 4, None, 250),  # 250 MiB a part
         (1000, MIB, 4, 100 * MIB, 100),  # the configured budget wins
         (10, 0, 1, None, 64 * MIB),  # empty chunks count as one byte
+        (210_000_001, 1, 3, None, 70_000_001),  # a third, rounded up: three parts, not four
     ],
 )
 def test_part_chunks_exact(
@@ -1634,3 +1635,80 @@ def test_the_first_read_that_fails_for_good_is_the_error(
     sync(store.set("v/c/0", cpu.Buffer.from_bytes(b"x")))
     with pytest.raises(PermissionError, match=r"cannot read chunk 'v/c/1'"):
         read_host([store, store], ["v/c/0", "v/c/1"], attempts=1)
+
+
+@pytest.mark.needs("dask")
+@pytest.mark.filterwarnings("ignore:Object at t is not recognized:UserWarning")
+def test_a_failed_write_under_dasks_synchronous_scheduler_removes_only_its_own_chunks() -> None:
+    """write ``_runs_here``'s ``dask.local.get_sync`` dropped: a write computed by dask's
+    synchronous scheduler runs in this process, so a failed one removes the chunks it
+    wrote, as recorded, and never a key it did not write (found by listing, as for a
+    write whose tasks run elsewhere)."""
+    import dask
+    from zarr.core.buffer import cpu
+    from zarr.core.sync import sync
+
+    import xarray_gds
+    from tests.test_write import _dask_dataset, _RecordingStore
+
+    store = _RecordingStore.make()
+    xarray_gds.to_zarr(xr.Dataset({"other": ("z", np.arange(3.0))}), store, mode="w")
+    sync(store.set("t/c/9/9/9", cpu.Buffer.from_bytes(b"not the write's")))
+    failing = _dask_dataset(fail_block=1).drop_vars("time")
+    with pytest.raises(RuntimeError, match="injected"), dask.config.set(scheduler="synchronous"):
+        xarray_gds.to_zarr(failing, store, mode="a", consolidated=False)
+    keys = set(store._store_dict)
+    assert "t/c/9/9/9" in keys
+    assert not any(k.startswith("t/") and k != "t/c/9/9/9" for k in keys)
+
+
+def test_a_read_into_a_read_only_array_gets_a_new_one(tmp_path: Path) -> None:
+    """region ``_fits`` without ``into.flags.writeable``: a host read offered a read-only
+    array to place its chunks in reads into a new array instead, with the values
+    engine="zarr" reads."""
+    from xarray_gds.pipeline import attach
+    from xarray_gds.region import read_boxes
+
+    values = np.arange(24, dtype="f4").reshape(6, 4)
+    z = zarr.create_array(tmp_path / "a.zarr", shape=(6, 4), chunks=(2, 2), dtype="f4")
+    z[:] = values
+    array = attach(zarr.open_array(tmp_path / "a.zarr", mode="r"))
+    ro = np.zeros((6, 4), "f4")
+    ro.flags.writeable = False
+    (got,) = read_boxes([(array, (slice(None), slice(None)), "cpu")], into=[ro])
+    assert not isinstance(got, BaseException), got
+    assert got is not ro and not np.shares_memory(got, ro)
+    np.testing.assert_array_equal(got, values)
+    assert not ro.any()
+
+
+def test_cache_members_defaults_as_the_zarr_engine() -> None:
+    """backend ``cache_members: bool = True`` -> ``False``: open_dataset's
+    ``cache_members`` has the default of xarray's own zarr engine."""
+    import inspect
+
+    from xarray.backends.zarr import ZarrBackendEntrypoint
+
+    from xarray_gds.backend import GdsZarrBackendEntrypoint
+
+    ours = inspect.signature(GdsZarrBackendEntrypoint.open_dataset).parameters
+    theirs = inspect.signature(ZarrBackendEntrypoint.open_dataset).parameters
+    assert ours["cache_members"].default is theirs["cache_members"].default is True
+
+
+def test_a_one_element_scale_factor_scales_as_a_scalar() -> None:
+    """cf ``if np.ndim(scale_factor) > 0`` -> ``> 1``: a ``scale_factor`` given as a
+    one-element array (as netCDF attributes hold it) is taken as its scalar: values
+    keep their shape."""
+    from xarray_gds.cf import plan_cf_decoding
+
+    plan = plan_cf_decoding(
+        "v", {"scale_factor": np.array([0.5])}, np.dtype("i2"), np.dtype("f4"), {}, True
+    )
+    assert plan is not None
+    assert np.ndim(plan.scale_factor) == 0 and plan.scale_factor == 0.5
+    got = plan.apply(np.array([[4, 6]], "i2"), np)
+    assert got.shape == (1, 2)
+    np.testing.assert_array_equal(got, np.array([[2.0, 3.0]], "f4"))
+    one = plan.apply(np.array(4, "i2"), np)
+    assert np.shape(one) == () and float(one) == 2.0
