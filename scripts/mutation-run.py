@@ -443,8 +443,31 @@ def _counted(entry: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
+def _retriage_changed(summary: dict[str, Any], triage: list[dict[str, Any]]) -> None:
+    """The triage file applied again to the survivors of a ``--diff`` or ``--all`` run's
+    summary (no test runs): a survivor a test written since kills (``"killed"``) is
+    counted in ``killed_since``, no longer open."""
+    counts = summary["counts"]
+    verdicts = []
+    for r in summary["survivors"]:
+        r.pop("triage", None)
+        r.pop("why", None)
+        verdict = _verdict(r["module"], r["old"], r["new"], r.get("context", ""), triage)
+        if verdict is not None:
+            r["triage"] = verdict["verdict"]
+            r["why"] = verdict.get("reason") or verdict.get("test")
+        verdicts.append(r.get("triage"))
+    counts["equivalent"] = verdicts.count("equivalent")
+    counts["gpu_only"] = verdicts.count("gpu-only")
+    counts["killed_since"] = verdicts.count("killed")
+    counts["open"] = sum(v not in ("equivalent", "gpu-only", "killed") for v in verdicts)
+
+
 def _retriage(summary: dict[str, Any], triage: list[dict[str, Any]]) -> None:
     """The triage file applied again to the mutants of ``summary`` (no test runs)."""
+    if "survivors" in summary:  # a --diff or --all run's summary
+        _retriage_changed(summary, triage)
+        return
     for name, entry in summary["modules"].items():
         if "mutants" not in entry:
             continue
@@ -1277,16 +1300,28 @@ def main() -> int:
     )
     args = parser.parse_args()
     specs = [*args.modules, *(m for more in args.more for m in more.split(","))]
-    if args.diff or args.all:
+    if (args.diff or args.all) and not (args.retriage or args.table):
         args.out = args.out or SURVIVORS
         return run_changed(args, specs)
-    args.out = args.out or OUT
+    args.out = args.out or (SURVIVORS if args.diff or args.all else OUT)
     if args.retriage:
         done = json.loads(args.out.read_text())
         _retriage(done, _triage())
         args.out.write_text(json.dumps(done, indent=1) + "\n")
     if args.table or args.retriage:
-        print(table(json.loads(args.out.read_text())))
+        done = json.loads(args.out.read_text())
+        if "survivors" in done:
+            c = done["counts"]
+            print(
+                f"{c['survived']} survivors of {c['run']} mutants run: "
+                f"{c.get('killed_since', 0)} killed since, {c['equivalent']} equivalent, "
+                f"{c['gpu_only']} GPU only, {c['open']} open"
+            )
+            for r in done["survivors"]:
+                if r.get("triage") not in ("equivalent", "gpu-only", "killed"):
+                    print(f"  open: {r['file']}:{r['line']} {r['old']!r} -> {r['new']!r}")
+            return 1 if c["open"] else 0
+        print(table(done))
         return 0
     names = specs or list(MODULES)
     unknown = set(names) - set(MODULES)

@@ -809,3 +809,58 @@ def test_merged_drops_the_changed_files_lines() -> None:
     merged = run._merged(old, new, {"tests/test_a.py"}, frozenset({"b.py"}))
     assert merged["map"] == {"b.py": {"2": ["tests/test_a.py::t"]}}
     assert merged["durations"] == {"tests/test_z.py::t": 3.0}
+
+
+def test_retriage_of_a_diff_runs_survivors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--retriage`` of a ``--diff``/``--all`` summary applies the triage file again to
+    its survivors: equivalents and GPU-only ones by their verdict, one a test written
+    since kills as killed since; the rest stay open, are listed, and exit 1."""
+    run = _script()
+
+    def survivor(old: str, new: str) -> dict[str, Any]:
+        return {"file": "xarray_gds/m.py", "module": "m", "line": 3, "old": old, "new": new}
+
+    summary = {
+        "mode": "diff",
+        "survivors": [
+            survivor("a = 1", "a = 2"),
+            survivor("b = f(x)", "b = x"),
+            survivor("c = g()", "pass"),
+            survivor("d = 0", "d = 1"),
+        ],
+        "counts": {"run": 9, "survived": 4, "equivalent": 0, "gpu_only": 0, "open": 4},
+    }
+    triage = [
+        {"module": "m", "old": "a = 1", "new": "a = 2", "verdict": "equivalent", "reason": "r"},
+        {"module": "m", "old": "b = f(x)", "new": "b = x", "verdict": "killed", "test": "t::k"},
+        {"module": "m", "old": "c = g()", "new": "pass", "verdict": "gpu-only", "reason": "g"},
+        {"module": "other", "old": "d = 0", "new": "d = 1", "verdict": "equivalent", "reason": "x"},
+    ]
+    out = tmp_path / "survivors.json"
+    out.write_text(json.dumps(summary))
+    monkeypatch.setattr(run, "_triage", lambda: triage)
+    monkeypatch.setattr(
+        sys, "argv", ["mutation-run.py", "--diff", "HEAD", "--retriage", "--out", str(out)]
+    )
+    assert run.main() == 1
+    done = json.loads(out.read_text())
+    assert done["counts"] == {
+        "run": 9,
+        "survived": 4,
+        "equivalent": 1,
+        "gpu_only": 1,
+        "killed_since": 1,
+        "open": 1,
+    }
+    assert [r.get("triage") for r in done["survivors"]] == [
+        "equivalent",
+        "killed",
+        "gpu-only",
+        None,
+    ]
+    assert done["survivors"][1]["why"] == "t::k"
+    triage.append(
+        {"module": "m", "old": "d = 0", "new": "d = 1", "verdict": "equivalent", "reason": "y"}
+    )
+    assert run.main() == 0
+    assert json.loads(out.read_text())["counts"]["open"] == 0
