@@ -1404,46 +1404,18 @@ def test_a_range_of_another_length_than_asked_is_an_error(extra: int) -> None:
     assert got is not None and got.tolist() == list(range(4, 10))
 
 
-class _FailingS3Like(zarr.storage.MemoryStore):
-    """A store whose filesystem says it is S3 (s3fs retries transient faults itself)
-    and whose every read fails with a transient fault; counts the reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import types
-
-        self.fs = types.SimpleNamespace(protocol=("s3", "s3a"))
-        self.reads = 0
-
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-        self.reads += 1
-        raise ConnectionError("connection reset by peer")
-
-
-def test_a_store_that_retries_itself_is_read_once() -> None:
-    """stores/remote_host ``tries = 1 if retries_itself(...)`` -> ``2``: a read through a
-    filesystem that retries transient faults itself (s3fs) is not tried again on top of
-    its own tries: one read, then the error naming the chunk."""
-    from xarray_gds.stores.remote_host import read_host
-
-    store = _FailingS3Like()
-    with pytest.raises(ConnectionError, match=r"cannot read chunk 'v/c/0'"):
-        read_host([store], ["v/c/0"], attempts=3)
-    assert store.reads == 1
-
-
 class _Flaky(zarr.storage.MemoryStore):
-    """A remote-like store (its filesystem says https, with a secret in its storage
+    """A remote-like store (its filesystem's ``protocol``, with a secret in its storage
     options) whose first ``fails`` reads fail with a transient fault whose text holds
-    the secret; each read is counted, and ``in_flight`` records how many overlap."""
+    the secret; each read is counted."""
 
     SECRET = "s3cr3t-token-value"
 
-    def __init__(self, fails: int) -> None:
+    def __init__(self, fails: int, protocol: Any = "https") -> None:
         super().__init__()
         import types
 
-        self.fs = types.SimpleNamespace(protocol="https", storage_options={"token": self.SECRET})
+        self.fs = types.SimpleNamespace(protocol=protocol, storage_options={"token": self.SECRET})
         self.fails = fails
         self.reads = 0
 
@@ -1454,13 +1426,25 @@ class _Flaky(zarr.storage.MemoryStore):
         return await super().get(key, prototype, byte_range)
 
 
-def _flaky(fails: int) -> _Flaky:
+def _flaky(fails: int, protocol: Any = "https") -> _Flaky:
     from zarr.core.buffer import cpu
     from zarr.core.sync import sync
 
-    store = _Flaky(fails)
+    store = _Flaky(fails, protocol)
     sync(store.set("v/c/0", cpu.Buffer.from_bytes(b"chunk")))
     return store
+
+
+def test_a_store_that_retries_itself_is_read_once() -> None:
+    """stores/remote_host ``tries = 1 if retries_itself(...)`` -> ``2``: a read through a
+    filesystem that retries transient faults itself (s3fs) is not tried again on top of
+    its own tries: one read, then the error naming the chunk."""
+    from xarray_gds.stores.remote_host import read_host
+
+    store = _flaky(fails=3, protocol=("s3", "s3a"))
+    with pytest.raises(ConnectionError, match=r"cannot read chunk 'v/c/0'"):
+        read_host([store], ["v/c/0"], attempts=3)
+    assert store.reads == 1
 
 
 @pytest.fixture
