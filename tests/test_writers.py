@@ -340,18 +340,14 @@ def test_a_holder_never_removes_a_lock_file_that_is_not_its_own(tmp_path: Path, 
     from xarray_gds.stores.lock import FileLock
 
     path = tmp_path / "s.zarr"
-    spare = tmp_path / "spare"
-    spare.mkdir()
-    made = [spare / f"before{i}" for i in range(40)]  # mostly smaller inode numbers
-    for f in made:
+    path.mkdir()
+    pair = [tmp_path / "a", tmp_path / "b"]
+    for f in pair:
         f.write_text(f"{f.name}\n")
+    low, high = sorted(pair, key=lambda f: f.stat().st_ino)
+    own, other = (high, low) if side == "smaller" else (low, high)
+    os.replace(own, lock_path(path))  # the lock file the holder opens and keeps
     lock = FileLock(lock_path(path), "s").acquire(0.0)
-    held = lock_path(path).stat().st_ino
-    made += [spare / f"after{i}" for i in range(40)]  # mostly larger ones
-    for f in made[40:]:
-        f.write_text(f"{f.name}\n")
-    wanted = (lambda ino: ino < held) if side == "smaller" else (lambda ino: ino > held)
-    other = next(f for f in made if wanted(f.stat().st_ino))
     os.replace(other, lock_path(path))  # another writer's file now at the path
     lock.release()
     assert lock_path(path).read_text() == f"{other.name}\n"
