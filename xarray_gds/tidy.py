@@ -53,7 +53,6 @@ from the command line.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -277,23 +276,36 @@ def _consolidated(s: _Survey, group: str) -> None:
         )
 
 
+def _lengths(values: Any, least: int) -> list[int]:
+    """A document's shape or chunk shape, each a whole number of at least ``least``;
+    ValueError for anything else (a string, a float, a bool: zarr refuses such a
+    document, so tidy does not guess what its chunks are)."""
+    if not isinstance(values, list) or not all(type(v) is int and v >= least for v in values):
+        raise ValueError(f"not a list of whole numbers >= {least}: {values!r}")
+    return values
+
+
 def _array_grid(doc: Any, v3: bool) -> tuple[tuple[int, ...], str, bool] | None:
     """``(grid, separator, prefixed)`` of an array's chunk keys, or None (not an array,
-    or a grid this does not know)."""
+    a grid or chunk key encoding this does not know, or a document zarr would refuse:
+    then every file below the array stays)."""
     try:
-        shape = [int(s) for s in doc["shape"]]
+        shape = _lengths(doc["shape"], 0)
         if v3:
             if doc.get("node_type") != "array" or doc["chunk_grid"]["name"] != "regular":
                 return None
-            chunks = doc["chunk_grid"]["configuration"]["chunk_shape"]
+            chunks = _lengths(doc["chunk_grid"]["configuration"]["chunk_shape"], 1)
             encoding = doc.get("chunk_key_encoding") or {"name": "default"}
+            name = encoding.get("name", "default")
+            if name not in ("default", "v2"):
+                return None
             config = encoding.get("configuration") or {}
-            prefixed = encoding.get("name", "default") == "default"
+            prefixed = name == "default"
             sep = config.get("separator", "/" if prefixed else ".")
         else:
-            chunks = doc["chunks"]
+            chunks = _lengths(doc["chunks"], 1)
             sep, prefixed = doc.get("dimension_separator") or ".", False
-        grid = tuple(math.ceil(s / max(1, int(c))) for s, c in zip(shape, chunks, strict=True))
+        grid = tuple(-(-s // c) for s, c in zip(shape, chunks, strict=True))
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
     return grid, sep, prefixed
