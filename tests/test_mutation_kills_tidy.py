@@ -417,6 +417,7 @@ def test_a_directory_another_process_emptied_stays(
         ("shape", "[true, 4]"),
         ("shape", "[1e400, 4]"),
         ("shape", "[-2, 4]"),
+        ("shape", "[-1, 4]"),
         ("chunk_shape", '[1, "2"]'),
         ("chunk_shape", "[1, 0]"),
     ],
@@ -476,3 +477,19 @@ def test_an_unknown_chunk_key_encoding_keeps_v2_named_files(tmp_path: Path) -> N
     assert find_leftovers(root) == []
     assert tidy(root, dry_run=False) == []
     assert _snapshot(root) == before
+
+
+def test_an_empty_dimension_makes_every_chunk_a_leftover(tmp_path: Path) -> None:
+    """A shape length of 0 is read as a shape (the lowest whole number a shape takes,
+    where a chunk length is at least 1): every chunk key of an array of shape (0, 4) is
+    outside it, and tidy removes the one a killed write left; zarr reads the array as
+    before."""
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.create_array("a", shape=(0, 4), chunks=(1, 2), dtype="i4")
+    _put(root, "a/c/0/1")
+    want = [Leftover("a/c/0/1", "orphan-chunk", "outside the shape of a")]
+    assert find_leftovers(root) == want
+    assert tidy(root, dry_run=False) == want
+    assert not (root / "a" / "c" / "0" / "1").exists()
+    assert zarr.open_array(root / "a", mode="r")[:].shape == (0, 4)
