@@ -125,12 +125,13 @@ class _WriteScope:
 
     def enter(self, store: object, levels: str) -> None:
         with self.lock:
-            self.levels[id(store)] = (store, levels)
-            self.active += 1
-            if self.active == 1:
+            if self.active == 0:
+                # may raise (a path naming no class): then nothing is counted or held
                 previous = get_pipeline_class()
                 self.previous = None if issubclass(previous, GdsCodecPipeline) else previous
                 self._setting = zarr.config.set({"codec_pipeline.path": _PATH})
+            self.levels[id(store)] = (store, levels)
+            self.active += 1
 
     def exit(self, store: object) -> None:
         with self.lock:
