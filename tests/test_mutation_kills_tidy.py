@@ -493,3 +493,22 @@ def test_an_empty_dimension_makes_every_chunk_a_leftover(tmp_path: Path) -> None
     assert tidy(root, dry_run=False) == want
     assert not (root / "a" / "c" / "0" / "1").exists()
     assert zarr.open_array(root / "a", mode="r")[:].shape == (0, 4)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_the_chunk_of_a_0d_array_stays(tmp_path: Path, zarr_format: int) -> None:
+    """A 0-d array's one chunk (``c`` in Zarr v3, ``0`` in v2) is inside its empty grid:
+    tidy lists nothing and keeps it, and the value reads back (the chunk taken as outside
+    the grid would be removed; a file named like a chunk of another rank is no chunk)."""
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    array = group.create_array("a", shape=(), dtype="f8", fill_value=0.0)
+    array[...] = 2.5
+    chunk = "a/c" if zarr_format == 3 else "a/0"
+    assert (root / chunk).is_file()
+    _put(root, "a/1" if zarr_format == 2 else "a/x/0")
+    before = _snapshot(root)
+    assert find_leftovers(root) == []
+    assert tidy(root, dry_run=False) == []
+    assert _snapshot(root) == before
+    assert zarr.open_array(root / "a", mode="r")[...] == 2.5
