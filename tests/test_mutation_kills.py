@@ -1696,3 +1696,33 @@ def test_a_one_element_scale_factor_scales_as_a_scalar() -> None:
     np.testing.assert_array_equal(got, np.array([[2.0, 3.0]], "f4"))
     one = plan.apply(np.array(4, "i2"), np)
     assert np.shape(one) == () and float(one) == 2.0
+
+
+def test_redact_masks_a_four_character_password_of_an_auth_tuple() -> None:
+    """``len(v) >= 4`` -> ``> 4`` for ``auth=(user, password)``: a password (and a user
+    name) of exactly four characters is masked in error text, as longer ones are; three
+    characters stay, being too short to tell from ordinary words."""
+    from xarray_gds.stores.urls import redact
+
+    options = {"client_kwargs": {"auth": ("user1", "pw12")}}
+    text = "GET failed for 'user1' with 'pw12'"
+    assert redact(text, options) == "GET failed for '***' with '***'"
+    assert redact("'pw1' and 'user'", {"auth": ("user", "pw1")}) == "'pw1' and '***'"
+
+
+@pytest.mark.parametrize(("style", "want"), [("virtual", "true"), ("path", "false")])
+def test_s3_addressing_style_sets_obstores_request_style(style: str, want: str) -> None:
+    """``style == "virtual"`` -> ``!=``: ``config_kwargs={"s3": {"addressing_style": ...}}``
+    (s3fs's option, passed on to botocore) gives obstore virtual-hosted requests for
+    "virtual" and path-style requests for "path"."""
+    pytest.importorskip("obstore")
+    from xarray_gds.stores.objstore import obstore_for
+
+    options = {
+        "key": "AKIAEXAMPLE",
+        "secret": "an-example-secret",
+        "config_kwargs": {"s3": {"addressing_style": style}},
+    }
+    store = obstore_for("s3://bucket/x.zarr", options)
+    assert store is not None
+    assert store.config["virtual_hosted_style_request"] == want
