@@ -214,6 +214,7 @@ def test_device_values_go_through_cf_encoding_wrapped_and_uncopied(tmp_path: Pat
 def test_for_direct_write_says_whether_the_dataset_has_dask_variables() -> None:
     """for_direct_write ``user_dask = True`` dropped or made False: the second value it
     returns is whether the dataset has dask variables of its own."""
+    pytest.importorskip("dask")
     ds = _numpy_dataset()
     assert xarray_gds.write.for_direct_write(ds)[1] is False
     chunked = ds.assign(d=ds.v.chunk(y=4))
