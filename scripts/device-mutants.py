@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,16 +119,6 @@ def _copy(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def _parallel(target: Any, workers: int, with_index: bool = False) -> None:
-    threads = [
-        threading.Thread(target=target, args=(k,) if with_index else ()) for k in range(workers)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 def run(mutants_file: Path, workers: int, timeout: float, out: Path | None, part: str) -> int:
     doc = json.loads(mutants_file.read_text())
     k, n = (int(x) for x in part.split("/"))
@@ -145,70 +137,56 @@ def run(mutants_file: Path, workers: int, timeout: float, out: Path | None, part
     base = work / "base"
     _copy(base)
     t0 = time.perf_counter()
-    failing: set[str] = set()
-    pending = list(tests)
-    guard = threading.Lock()
-
-    def baseline() -> None:  # each test alone: one failing test must not hide the others
-        while True:
-            with guard:
-                if not pending:
-                    return
-                test = pending.pop()
-            outcome, tail = _pytest(base, [test], 600, env)
-            if outcome != "passed":
-                with guard:
-                    failing.add(test)
-                print(f"baseline {outcome}: {test}\n{tail}", flush=True)
-
-    _parallel(baseline, workers)
+    with ThreadPoolExecutor(workers) as pool:
+        # each test alone: one failing test must not hide the others
+        outcomes = list(pool.map(lambda t: _pytest(base, [t], 600, env), tests))
+    failing = set()
+    for test, (outcome, tail) in zip(tests, outcomes, strict=True):
+        if outcome != "passed":
+            failing.add(test)
+            print(f"baseline {outcome}: {test}\n{tail}", flush=True)
     print(
         f"baseline: {len(tests)} tests, {len(failing)} failing, {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
-    queue = list(enumerate(mutants))
-    lock = threading.Lock()
-    results: list[dict[str, Any]] = [{} for _ in mutants]
+    copies: queue.SimpleQueue[Path] = queue.SimpleQueue()  # a copy of the checkout a worker
+    for w in range(workers):
+        _copy(work / f"w{w}")
+        copies.put(work / f"w{w}")
+    done = itertools.count(1)
 
-    def worker(k: int) -> None:
-        where = work / f"w{k}"
-        _copy(where)
-        while True:
-            with lock:
-                if not queue:
-                    return
-                i, m = queue.pop(0)
-            chosen = [t for t in m["tests"] if t not in failing]
-            if not chosen:
-                results[i] = {"id": m["id"], "outcome": "no test"}
-                continue
-            path = where / m["file"]
-            original = path.read_text()
-            started = time.perf_counter()
-            try:
-                path.write_text(_mutated(original, m))
-                outcome, tail = _pytest(where, chosen, timeout, env)
-            finally:
-                path.write_text(original)
-            verdict = {"failed": "killed", "timeout": "killed", "passed": "survived"}[outcome]
-            results[i] = {
-                "id": m["id"],
-                "file": m["file"],
-                "line": m["line"],
-                "operator": m["operator"],
-                "old": m["old"],
-                "new": m["new"],
-                "tests": chosen,
-                "outcome": verdict,
-                "by_timeout": outcome == "timeout",
-                "seconds": round(time.perf_counter() - started, 1),
-                "tail": tail,
-            }
-            with lock:
-                done = sum(1 for r in results if r)
-                print(f"[{done}/{len(mutants)}] {verdict} {m['id']}", flush=True)
+    def one(m: dict[str, Any]) -> dict[str, Any]:
+        chosen = [t for t in m["tests"] if t not in failing]
+        if not chosen:
+            return {"id": m["id"], "outcome": "no test"}
+        where = copies.get()
+        path = where / m["file"]
+        original = path.read_text()
+        started = time.perf_counter()
+        try:
+            path.write_text(_mutated(original, m))
+            outcome, tail = _pytest(where, chosen, timeout, env)
+        finally:
+            path.write_text(original)
+            copies.put(where)
+        verdict = {"failed": "killed", "timeout": "killed", "passed": "survived"}[outcome]
+        print(f"[{next(done)}/{len(mutants)}] {verdict} {m['id']}", flush=True)
+        return {
+            "id": m["id"],
+            "file": m["file"],
+            "line": m["line"],
+            "operator": m["operator"],
+            "old": m["old"],
+            "new": m["new"],
+            "tests": chosen,
+            "outcome": verdict,
+            "by_timeout": outcome == "timeout",
+            "seconds": round(time.perf_counter() - started, 1),
+            "tail": tail,
+        }
 
-    _parallel(worker, workers, with_index=True)
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(one, mutants))
     shutil.rmtree(work, ignore_errors=True)
     counts: dict[str, int] = {}
     for r in results:

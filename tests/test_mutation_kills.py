@@ -167,6 +167,23 @@ def test_joined_keys_of_nothing() -> None:
     assert len(joined) == 0 and list(joined) == [] and joined[:] == []
 
 
+def device_batch(fetched: list[Any]) -> Any:
+    """The fetched chunks in one arena at 16-byte boundaries (as a device read packs
+    them), ``-1`` the size of a missing one, ``0`` that of an empty file."""
+    from xarray_gds.batch import DeviceBatch
+
+    offsets, sizes, at = [], [], 0
+    for data in fetched:
+        offsets.append(at)
+        sizes.append(-1 if data is None else len(data))
+        at += 0 if data is None else -(-len(data) // 16) * 16
+    arena = np.zeros(at + 16, dtype=np.uint8)
+    for o, data in zip(offsets, fetched, strict=True):
+        if data is not None:
+            arena[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return DeviceBatch(arena, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
+
+
 @pytest.mark.parametrize("host", [0, 1, 3, 100])
 def test_decode_split_matches_the_host_decode(
     monkeypatch: pytest.MonkeyPatch, store_factory: Any, host: int
@@ -187,17 +204,7 @@ def test_decode_split_matches_the_host_decode(
 
     chain, keys, fetched = _all_chunks(store_factory(3, "zstd"))
     want_present, want = decode.decode_fetched(chain, fetched, keys, False)
-    # the fetched chunks as one arena at 16-byte boundaries, -1 the size of a missing one
-    offsets, sizes, at = [], [], 0
-    for data in fetched:
-        offsets.append(at)
-        sizes.append(-1 if data is None else len(data))
-        at += 0 if data is None else -(-len(data) // 16) * 16
-    arena = np.zeros(at + 16, dtype=np.uint8)
-    for o, data in zip(offsets, fetched, strict=True):
-        if data is not None:
-            arena[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    batch = DeviceBatch(arena, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
+    batch = device_batch(fetched)
 
     def gpu_decode(chain: Any, batch: DeviceBatch, idx: list[int], names: Any) -> Any:
         out = np.empty((len(idx), chain.nbytes), dtype=np.uint8)

@@ -16,27 +16,13 @@ import numpy as np
 import pytest
 import zarr
 
+from tests.test_mutation_kills import device_batch
 from xarray_gds import ChunkDecodeError, batch, decode, route
 from xarray_gds import device as _device
 from xarray_gds.batch import DeviceBatch
 from xarray_gds.codecs import nvcomp
 
 MIB = 1 << 20
-
-
-def _device_batch(fetched: list[Any]) -> DeviceBatch:
-    """The fetched chunks in one arena at 16-byte boundaries (as a device read packs
-    them), ``-1`` the size of a missing one, ``0`` that of an empty file."""
-    offsets, sizes, at = [], [], 0
-    for data in fetched:
-        offsets.append(at)
-        sizes.append(-1 if data is None else len(data))
-        at += 0 if data is None else -(-len(data) // 16) * 16
-    arena = np.zeros(at + 16, dtype=np.uint8)
-    for o, data in zip(offsets, fetched, strict=True):
-        if data is not None:
-            arena[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return DeviceBatch(arena, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
 
 
 def _gpu(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
@@ -159,16 +145,14 @@ def test_device_decode_of_uncompressed_chunks_skips_the_split_plan(
     chain, keys, fetched = _all_chunks(store_factory(3, "none"))
     assert chain.compressor is None
     want = decode.decode_fetched(chain, fetched, keys, False)
-    got = decode.decode_routed(
-        chain, _device_batch(fetched), keys, None, host=False, on_device=True
-    )
+    got = decode.decode_routed(chain, device_batch(fetched), keys, None, host=False, on_device=True)
     _same(got, want)
     assert planned == [] and calls == [want[0]]
     chain, keys, fetched = _zstd(store_factory)
     want = decode.decode_fetched(chain, fetched, keys, False)
     with zarr.config.set({"xarray_gds.split": "off"}):
         got = decode.decode_routed(
-            chain, _device_batch(fetched), keys, None, host=False, on_device=True
+            chain, device_batch(fetched), keys, None, host=False, on_device=True
         )
     _same(got, want)
     assert planned == [len(want[0])] and calls[1:] == [want[0]]
@@ -196,7 +180,7 @@ def test_split_plan_counts_present_chunks_empty_files_included(
     # one missing chunk, two empty files, three chunks with data
     some = [None, b"", fetched[1], b"", fetched[2], fetched[3]]
     with pytest.raises(_Planned):
-        decode.decode_routed(chain, _device_batch(some), keys[:6], None, host=False, on_device=True)
+        decode.decode_routed(chain, device_batch(some), keys[:6], None, host=False, on_device=True)
     assert asked == [(chain.compressor.format, 5, chain.nbytes)]
     assert type(asked[0][1]) is int
 
@@ -234,7 +218,7 @@ def test_device_batch_split_with_pinned_staging_matches_the_host_decode(
         assert 0 < share.host < n
         staging = batch.PinnedStaging(keep_bytes=0)
         got = decode.decode_routed(
-            chain, _device_batch(fetched), keys, staging, host=False, on_device=True
+            chain, device_batch(fetched), keys, staging, host=False, on_device=True
         )
     _same(got, want)
     assert leased == [share.host * chain.nbytes] and staging.allocations == 1
@@ -258,7 +242,7 @@ def test_device_batch_shared_as_the_split_plan_says(
     monkeypatch.setattr(route, "plan", lambda *args: split)
     staging = _Staging()
     got = decode.decode_routed(
-        chain, _device_batch(fetched), keys, staging, host=False, on_device=True
+        chain, device_batch(fetched), keys, staging, host=False, on_device=True
     )
     _same(got, want)
     assert staging.leased == ([host * chain.nbytes] if host else [])
@@ -377,10 +361,10 @@ def test_an_empty_chunk_file_on_the_device_is_named_as_on_the_host(
         decode.decode_fetched(chain, some, keys[:6], False)
     _gpu(monkeypatch)
     with pytest.raises(ChunkDecodeError, match=key):
-        decode.decode_fetched(chain, _device_batch(some), keys[:6], True)
+        decode.decode_fetched(chain, device_batch(some), keys[:6], True)
     for host in (1, 2, 4):  # the empty file in the host's share, then in nvCOMP's
         with pytest.raises(ChunkDecodeError, match=key):
-            decode.decode_split(chain, _device_batch(some), keys[:6], _Staging(), host, 2)
+            decode.decode_split(chain, device_batch(some), keys[:6], _Staging(), host, 2)
 
 
 def test_a_host_share_chunk_that_fails_is_named_by_its_own_key(
@@ -396,7 +380,7 @@ def test_a_host_share_chunk_that_fails_is_named_by_its_own_key(
     # three present: nvCOMP decodes the first (m = 1), the host the second (i = 0) and
     # the third (i = 1), which fails
     with pytest.raises(ChunkDecodeError, match=re.escape(repr(keys[3]))):
-        decode.decode_split(chain, _device_batch(some), keys[:4], _Staging(), 2, 2)
+        decode.decode_split(chain, device_batch(some), keys[:4], _Staging(), 2, 2)
 
 
 def test_a_negative_host_share_is_none(monkeypatch: pytest.MonkeyPatch, store_factory: Any) -> None:
@@ -408,6 +392,6 @@ def test_a_negative_host_share_is_none(monkeypatch: pytest.MonkeyPatch, store_fa
     want = decode.decode_fetched(chain, fetched, keys, False)
     calls = _gpu(monkeypatch)
     staging = _Staging()
-    got = decode.decode_split(chain, _device_batch(fetched), keys, staging, -1, 2)
+    got = decode.decode_split(chain, device_batch(fetched), keys, staging, -1, 2)
     _same(got, want)
     assert staging.leased == [] and calls == [want[0]]
